@@ -1,0 +1,394 @@
+"""Gradient and state parity of RematerializeFn against the plain computation.
+
+Each parity test runs the same computation twice from the same variable
+values and seeds, once plainly and once rematerialized, and checks that the
+outputs, the gradients (inputs and variables) and the variable state after the
+step (BatchNormalization statistics, seed generator states) agree.
+"""
+
+import functools
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfremat
+from conftest import DEVICE_MODES, DEVICES, MODES
+from conftest import assert_trees_close, compile_step
+from conftest import restore, snapshot
+
+
+def _loss(outputs):
+  """A loss with a non-uniform gradient for every floating output.
+
+  A fixed projection, not only sum(y**2): after BatchNormalization sum(y**2)
+  hardly depends on the input, and its tiny, cancellation-dominated input
+  gradient would compare kernel rounding rather than rematerialization.
+  """
+  terms = []
+  for y in tf.nest.flatten(outputs):
+    if y.dtype.is_floating:
+      y = tf.cast(y, tf.float32)
+      weights = tf.sin(1.0 + tf.cast(tf.range(tf.size(y)), tf.float32))
+      terms.append(tf.reduce_sum(tf.reshape(y, [-1]) * weights) +
+                   0.5 * tf.reduce_sum(y * y))
+  return tf.add_n(terms)
+
+
+def _step(call, variables):
+  """A training step: outputs, input gradients and variable gradients."""
+
+  def step(*xs):
+    with tf.GradientTape() as tape:
+      tape.watch([x for x in tf.nest.flatten(xs) if x.dtype.is_floating])
+      outputs = call(*xs)
+      loss = _loss(outputs)
+    return outputs, tape.gradient(loss, (xs, variables))
+
+  return step
+
+
+def assert_parity(call, inputs, variables, mode, device, state=None):
+  """Rematerialized `call` gives the plain outputs, gradients and state.
+
+  Args:
+    call: `call(remat, *inputs)`, computing with or without rematerialization.
+    inputs: the (nested) inputs.
+    variables: the variables to differentiate.
+    mode: "eager", "function" or "xla".
+    device: where to run.
+    state: all variables the step may change; defaults to `variables`.
+  """
+  state = list(variables) if state is None else list(state)
+  with tf.device(device):
+    before = snapshot(state)
+    expected = compile_step(
+        _step(functools.partial(call, False), variables), mode)(*inputs)
+    expected_state = snapshot(state)
+    restore(state, before)
+    actual = compile_step(
+        _step(functools.partial(call, True), variables), mode)(*inputs)
+    actual_state = snapshot(state)
+  assert_trees_close(actual, expected)
+  assert_trees_close(actual_state, expected_state)
+  return actual
+
+
+def _maybe_remat(remat, fn, *xs):
+  return tfremat.RematerializeFn(fn, *xs) if remat else fn(*xs)
+
+
+def _x(*shape, seed=0):
+  return tf.random.stateless_normal(shape, seed=[seed, 7])
+
+
+def _mlp(widths, dropout=None, batch_norm=False, seed=0):
+  keras.utils.set_random_seed(seed)
+  layers = []
+  for i, w in enumerate(widths):
+    layers.append(keras.layers.Dense(w, activation="tanh"))
+    if batch_norm:
+      layers.append(keras.layers.BatchNormalization())
+    if dropout:
+      layers.append(keras.layers.Dropout(dropout, seed=100 + i))
+  model = keras.Sequential(layers)
+  model.build((None, 6))
+  return model
+
+
+parametrize_all = pytest.mark.parametrize("device, mode", DEVICE_MODES)
+
+
+@parametrize_all
+def test_dense_stack_with_captured_variables_matches_plain(device, mode):
+  with tf.device(device):
+    model = _mlp([16, 16, 4])
+  call = lambda remat, x: _maybe_remat(remat, model, x)
+  outputs, (dx, dw) = assert_parity(
+      call, (_x(5, 6),), model.trainable_weights, mode, device)
+  assert all(g is not None and np.abs(g).max() > 0
+             for g in tf.nest.flatten(dx) + dw)
+
+
+@parametrize_all
+def test_keras_dropout_gradients_match_plain(device, mode):
+  # tf.recompute_grad redraws the mask here: max gradient error ~1e2.
+  with tf.device(device):
+    model = _mlp([32, 32, 4], dropout=0.5)
+  call = lambda remat, x: _maybe_remat(
+      remat, lambda h: model(h, training=True), x)
+  outputs, _ = assert_parity(call, (_x(8, 6),), model.trainable_weights, mode,
+                             device, state=model.variables)
+  # Dropout really ran: about half of the hidden units are zeroed.
+  hidden = model.layers[1](model.layers[0](_x(8, 6)), training=True)
+  assert 0.2 < np.mean(hidden.numpy() == 0) < 0.8
+
+
+@parametrize_all
+def test_deterministic_dropout_gradients_match_plain(device, mode):
+  with tf.device(device):
+    w = tf.Variable(tf.random.stateless_normal([6, 32], seed=[1, 2]))
+
+  def block(x):
+    h = tf.matmul(x, w)
+    h = tfremat.DeterministicDropout(h, 0.5, tfremat.GenerateStepSeedPair())
+    return tfremat.DeterministicDropout(
+        tf.tanh(h), 0.7, tfremat.GenerateStepSeedPair(op_seed=3))
+
+  def call(remat, x):
+    tfremat.ResetStepSeed(11)
+    return _maybe_remat(remat, block, x)
+
+  outputs, _ = assert_parity(call, (_x(4, 6),), [w], mode, device)
+  assert 0.2 < np.mean(outputs.numpy() == 0) < 0.8
+
+
+@parametrize_all
+def test_batch_norm_moving_statistics_updated_once(device, mode):
+  with tf.device(device):
+    model = _mlp([16, 8], batch_norm=True)
+  call = lambda remat, x: _maybe_remat(
+      remat, lambda h: model(h, training=True), x)
+  bn = model.layers[1]
+  before = snapshot(bn.non_trainable_weights)
+  assert_parity(call, (_x(10, 6),), model.trainable_weights, mode, device,
+                state=model.variables)
+  after = snapshot(bn.non_trainable_weights)
+  # The statistics moved (by one update: the parity check compares them with
+  # the plain step's).
+  assert not np.allclose(after[0], before[0])
+
+
+@parametrize_all
+def test_multi_head_attention_dropout_matches_plain(device, mode):
+  with tf.device(device):
+    keras.utils.set_random_seed(3)
+    mha = keras.layers.MultiHeadAttention(2, 4, dropout=0.3, seed=5)
+    x = _x(2, 5, 8)
+    mha(x, x)
+  call = lambda remat, x: _maybe_remat(
+      remat, lambda h: mha(h, h, training=True), x)
+  assert_parity(call, (x,), mha.trainable_weights, mode, device,
+                state=mha.variables)
+
+
+@parametrize_all
+def test_nested_inputs_and_outputs(device, mode):
+  with tf.device(device):
+    w = tf.Variable(tf.random.stateless_normal([3, 3], seed=[4, 2]))
+
+  def fn(pair, named):
+    a, b = pair
+    h = tf.matmul(a, w) * named["scale"] + b
+    return {"h": h, "parts": (tf.sin(h), [tf.reduce_sum(h, axis=1)])}
+
+  inputs = ((_x(2, 3), _x(2, 3, seed=1)), {"scale": _x(2, 1, seed=2)})
+  call = lambda remat, *xs: _maybe_remat(remat, fn, *xs)
+  outputs, (dx, _) = assert_parity(call, inputs, [w], mode, device)
+  assert set(outputs) == {"h", "parts"}
+  assert dx[1]["scale"].shape == (2, 1)
+
+
+@parametrize_all
+def test_int_and_bool_inputs_get_no_gradient(device, mode):
+  with tf.device(device):
+    table = tf.Variable(tf.random.stateless_normal([10, 4], seed=[5, 2]))
+
+  def fn(x, ids, keep):
+    picked = tf.gather(table, ids)
+    return tf.where(keep[:, None], picked * x, x), ids + 1
+
+  inputs = (_x(3, 4), tf.constant([1, 7, 7]), tf.constant([True, False, True]))
+  call = lambda remat, *xs: _maybe_remat(remat, fn, *xs)
+  outputs, (dx, dw) = assert_parity(call, inputs, [table], mode, device)
+  assert dx[1] is None and dx[2] is None
+  np.testing.assert_array_equal(outputs[1].numpy(), [2, 8, 8])
+
+
+@parametrize_all
+def test_keyword_arguments_in_decorator(device, mode):
+  # tf.recompute_grad raises on `training=` inside tf.function.
+  with tf.device(device):
+    model = _mlp([16, 4], dropout=0.4)
+
+  def block(x, training=False):
+    return model(x, training=training)
+
+  remat_block = tfremat.rematerialize(block)
+  call = lambda remat, x: (remat_block if remat else block)(x, training=True)
+  assert_parity(call, (_x(6, 6),), model.trainable_weights, mode, device,
+                state=model.variables)
+
+
+@parametrize_all
+def test_weight_sharing_same_function_called_twice(device, mode):
+  with tf.device(device):
+    model = _mlp([6, 6], dropout=0.3)
+  f = lambda h: model(h, training=True)
+  call = lambda remat, x: _maybe_remat(remat, f, _maybe_remat(remat, f, x))
+  assert_parity(call, (_x(4, 6),), model.trainable_weights, mode, device,
+                state=model.variables)
+
+
+@parametrize_all
+def test_ignored_inputs_and_outputs_match_plain(device, mode):
+  with tf.device(device):
+    w = tf.Variable(tf.ones([2, 2]))
+    unused = tf.Variable(tf.ones([2]))
+
+  def fn(x, ignored):
+    del ignored
+    return tf.matmul(x, w), tf.constant(3.0) * tf.reduce_sum(unused)
+
+  def call(remat, x, ignored):
+    return _maybe_remat(remat, fn, x, ignored)[0]
+
+  _, ((dx, dignored), (dw, dunused)) = assert_parity(
+      call, (_x(2, 2), _x(2, 2, seed=1)), [w, unused], mode, device)
+  assert dignored is None and dunused is None and dx is not None
+
+
+@parametrize_all
+def test_variable_inputs_receive_gradients(device, mode):
+  with tf.device(device):
+    v = tf.Variable(tf.random.stateless_normal([4, 4], seed=[6, 1]))
+  call = lambda remat, x: _maybe_remat(
+      remat, lambda a, var: tf.tanh(tf.matmul(a, var)), x, v)
+  _, (_, (dv,)) = assert_parity(call, (_x(3, 4),), [v], mode, device)
+  assert np.abs(dv).max() > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nested_rematerialization_matches_plain(device):
+  with tf.device(device):
+    inner, outer = _mlp([6], dropout=0.5, seed=1), _mlp([6], seed=2)
+
+  def fn(remat, x):
+    return outer(_maybe_remat(remat, lambda h: inner(h, training=True), x))
+
+  call = lambda remat, x: _maybe_remat(remat, functools.partial(fn, remat), x)
+  assert_parity(call, (_x(4, 6),),
+                inner.trainable_weights + outer.trainable_weights, "function",
+                device, state=inner.variables + outer.variables)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_incoming_gradient_propagates_as_plain(device):
+  # The recompute is gated on the incoming gradient; a NaN there must not
+  # change what the gradient computation does.
+  with tf.device(device):
+    w = tf.Variable([[1.0, 2.0], [3.0, 4.0]])
+  call = lambda remat, x: tf.sqrt(
+      _maybe_remat(remat, lambda a: tf.matmul(a, w), x) - 100.0)
+  with tf.device(device):
+    results = []
+    for remat in (False, True):
+      step = tf.function(_step(functools.partial(call, remat), [w]))
+      results.append(step(tf.ones([1, 2])))
+  assert np.isnan(results[0][1][1][0].numpy()).all()
+  np.testing.assert_array_equal(results[1][1][1][0].numpy(),
+                                results[0][1][1][0].numpy())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_unbuilt_layer_is_built_on_first_call_with_real_weights(mode):
+  keras.utils.set_random_seed(8)
+  dense = keras.layers.Dense(5)
+  x = _x(3, 6)
+  step = compile_step(
+      lambda a: tfremat.RematerializeFn(dense, a), mode)
+  first = step(x)
+  np.testing.assert_allclose(first.numpy(), dense(x).numpy(), rtol=1e-6)
+  assert len(dense.trainable_weights) == 2
+
+
+_STATEFUL_RANDOM = {
+    "tf.random.uniform": lambda x: x * tf.random.uniform(tf.shape(x)),
+    "tf.random.normal": lambda x: x + tf.random.normal(tf.shape(x)),
+    "tf.nn.dropout": lambda x: tf.nn.dropout(x, 0.5),
+    "tf.random.Generator": lambda x: x + _GENERATOR.normal(tf.shape(x)),
+}
+_GENERATOR = tf.random.Generator.from_seed(1)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("name", sorted(_STATEFUL_RANDOM))
+def test_stateful_random_op_raises(mode, name):
+  step = compile_step(
+      lambda x: tfremat.RematerializeFn(_STATEFUL_RANDOM[name], x), mode)
+  with pytest.raises(tfremat.UnreplayableOpError,
+                     match="stateful random op.*stateless"):
+    step(tf.ones([2, 3]))
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_error_is_raised_before_any_state_changes(mode):
+  model = _mlp([4], dropout=0.5, batch_norm=True)
+  before = snapshot(model.variables)
+
+  def fn(x):
+    return tf.nn.dropout(model(x, training=True), 0.5)
+
+  step = compile_step(lambda x: tfremat.RematerializeFn(fn, x), mode)
+  with pytest.raises(tfremat.UnreplayableOpError, match="tf.nn.dropout"):
+    step(_x(5, 6))
+  assert_trees_close(snapshot(model.variables), before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_direct_variable_write_raises(mode):
+  counter = tf.Variable(0.0)
+
+  def fn(x):
+    counter.assign_add(1.0)
+    return x * 2.0
+
+  step = compile_step(lambda x: tfremat.RematerializeFn(fn, x), mode)
+  with pytest.raises(tfremat.UnreplayableOpError,
+                     match="writes a tf.Variable.*keras.Variable"):
+    step(tf.ones([2]))
+  # Traced code is refused before it runs; an eager op is seen only after it
+  # ran, so the write has happened exactly once (never twice).
+  assert counter.numpy() == (1.0 if mode == "eager" else 0.0)
+
+
+def test_keras_variable_counter_is_updated_once():
+  counter = keras.Variable(0.0, trainable=False)
+
+  def fn(x):
+    counter.assign(counter + 1.0)
+    return x * counter
+
+  x = tf.ones([2])
+  with tf.GradientTape() as tape:
+    tape.watch(x)
+    y = tfremat.RematerializeFn(fn, x)
+  grad = tape.gradient(y, x)
+  assert counter.numpy() == 1.0
+  # The rerun read the counter as it was at forward time, then added 1.
+  np.testing.assert_array_equal(grad.numpy(), [1.0, 1.0])
+
+
+def test_add_loss_inside_fn_raises_and_names_the_fix():
+
+  class WithLoss(keras.layers.Layer):
+
+    def call(self, x):
+      self.add_loss(tf.reduce_sum(x))
+      return x
+
+  with pytest.raises(tfremat.UnreplayableOpError,
+                     match="add_loss.*RematerializationLayer"):
+    tfremat.RematerializeFn(WithLoss(), tf.ones([2]))
+
+
+def test_bad_arguments_raise_clear_errors():
+  with pytest.raises(TypeError, match="expects a callable"):
+    tfremat.RematerializeFn(tf.ones([2]), tf.ones([2]))
+  with pytest.raises(TypeError, match="Bind other arguments into fn"):
+    tfremat.RematerializeFn(lambda x, f: f(x), tf.ones([2]), tf.nn.relu)
+  with pytest.raises(TypeError, match="must return tensors"):
+    tfremat.RematerializeFn(lambda x: {"fn": print}, tf.ones([2]))
+  with pytest.raises(TypeError, match="expects a callable"):
+    tfremat.rematerialize(3)

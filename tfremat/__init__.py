@@ -1,0 +1,14 @@
+"""tfremat: activation rematerialization for TensorFlow 2 and Keras 3."""
+
+from tfremat.remat import RematerializeFn
+from tfremat.remat import rematerialize
+from tfremat.state import UnreplayableOpError
+from tfremat.step_seed import DeterministicDropout
+from tfremat.step_seed import GenerateStepSeedPair
+from tfremat.step_seed import GetGlobalStep
+from tfremat.step_seed import GetIncStepSeed
+from tfremat.step_seed import GetStepSeed
+from tfremat.step_seed import ResetStepSeed
+from tfremat.step_seed import SetGlobalStep
+
+__version__ = "0.1.0"

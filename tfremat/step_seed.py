@@ -1,0 +1,151 @@
+"""Lingvo-style step seeds: deterministic seeds for stateless random ops.
+
+A *step seed* is an int64 counter that every `GenerateStepSeedPair` call reads
+and increments. Ops seeded from it (`tf.random.stateless_*`,
+`DeterministicDropout`) are pure functions of their seed, so re-running the
+same code from the same step seed draws the same numbers. `RematerializeFn`
+relies on this: it resets the step seed to its forward-time value before the
+backward-pass rerun.
+
+As in Lingvo, the counter lives per graph: every `tf.function` trace starts
+from 0 (or from what `ResetStepSeed` set), and eager code keeps one counter per
+thread. The first element of a seed pair is the global step (see
+`SetGlobalStep`), so masks differ from one training step to the next even
+though a traced function replays the same step-seed sequence on every call.
+"""
+
+import contextlib
+import threading
+
+import tensorflow as tf
+
+_COLLECTION = "tfremat_step_seed"
+_eager_state = threading.local()
+
+
+def _state():
+  """The mutable per-graph (or, in eager mode, per-thread) seed state."""
+  if tf.executing_eagerly():
+    if not hasattr(_eager_state, "value"):
+      _eager_state.value = {}
+    return _eager_state.value
+  collection = tf.compat.v1.get_default_graph().get_collection_ref(_COLLECTION)
+  if not collection:
+    collection.append({})
+  return collection[0]
+
+
+def ResetStepSeed(seed=0):
+  """Sets the step seed of the current graph (or eager thread) to `seed`."""
+  _state()["seed"] = tf.cast(tf.convert_to_tensor(seed), tf.int64)
+
+
+def GetStepSeed():
+  """Returns the current step seed, an int64 scalar tensor."""
+  state = _state()
+  if "seed" not in state:
+    ResetStepSeed()
+  return state["seed"]
+
+
+def GetIncStepSeed():
+  """Returns the current step seed and advances it by one."""
+  seed = GetStepSeed()
+  ResetStepSeed(seed + 1)
+  return seed
+
+
+_global_step = threading.local()
+
+
+def SetGlobalStep(step):
+  """Uses `step` as the first element of every seed pair.
+
+  Args:
+    step: a scalar integer variable that advances once per training step, such
+      as a Keras `optimizer.iterations`, or None to go back to a constant 0.
+  """
+  if step is not None and not hasattr(step, "dtype"):
+    raise TypeError(
+        "SetGlobalStep expects a scalar integer variable such as "
+        f"optimizer.iterations, or None; got {step!r}.")
+  _global_step.value = step
+
+
+def GetGlobalStep():
+  """Returns the global step used in seed pairs, an int64 scalar tensor."""
+  pinned = _state().get("global_step")
+  if pinned is not None:
+    return pinned
+  step = getattr(_global_step, "value", None)
+  if step is None:
+    return tf.constant(0, tf.int64)
+  return tf.cast(tf.convert_to_tensor(step), tf.int64)
+
+
+def GenerateStepSeedPair(random_seed=None, op_seed=None):
+  """Returns a new shape-[2] int64 seed for a stateless random op.
+
+  The pair is `[global_step, step_seed]` (plus `random_seed` and `op_seed` when
+  given) and the step seed advances on every call, so two calls in one step
+  give different seeds, while a replay from the same step seed gives the same
+  ones.
+
+  Args:
+    random_seed: optional int, added to both elements (a per-layer seed).
+    op_seed: optional int, added to both elements (a per-op seed).
+  """
+  seeds = tf.stack([GetGlobalStep(), GetIncStepSeed()])
+  for extra in (random_seed, op_seed):
+    if extra is not None:
+      seeds += tf.cast(extra, tf.int64)
+  return seeds
+
+
+def DeterministicDropout(x, keep_prob, seeds, noise_shape=None, name=None):
+  """Dropout whose mask is a pure function of `seeds`.
+
+  Keeps each element with probability `keep_prob` and scales kept elements by
+  `1 / keep_prob`. Unlike `tf.nn.dropout`, the same `seeds` always give the same
+  mask, so the op can be recomputed in a backward pass.
+
+  Args:
+    x: a floating point tensor.
+    keep_prob: a Python float in (0, 1].
+    seeds: a shape-[2] integer tensor, e.g. from `GenerateStepSeedPair()`.
+    noise_shape: optional shape of the mask, broadcastable to `x`.
+    name: optional name scope.
+  """
+  if not isinstance(keep_prob, (int, float)) or not 0.0 < keep_prob <= 1.0:
+    raise ValueError(
+        f"DeterministicDropout: keep_prob must be a float in (0, 1], got "
+        f"{keep_prob!r}. Note that it is the probability to KEEP an element "
+        "(Lingvo's convention), i.e. 1 - rate.")
+  with tf.name_scope(name or "deterministic_dropout"):
+    x = tf.convert_to_tensor(x)
+    if keep_prob == 1.0:
+      return x
+    shape = tf.shape(x) if noise_shape is None else noise_shape
+    # float32 draws whatever x's dtype: bfloat16/float16 uniforms are too
+    # coarse to give the requested keep probability.
+    uniform = tf.random.stateless_uniform(shape, seed=seeds, dtype=tf.float32)
+    keep = tf.cast(uniform < keep_prob, x.dtype)
+    return x * keep * tf.cast(1.0 / keep_prob, x.dtype)
+
+
+@contextlib.contextmanager
+def replaying(seed, global_step):
+  """Runs a block from a recorded step seed and global step, then restores.
+
+  Used for the backward-pass rerun: the block sees the same seeds as the
+  forward pass did, and the caller's own step seed is left as it was.
+  """
+  state = _state()
+  saved = dict(state)
+  state["seed"] = seed
+  state["global_step"] = global_step
+  try:
+    yield
+  finally:
+    state.clear()
+    state.update(saved)
