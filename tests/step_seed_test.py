@@ -1,0 +1,83 @@
+"""Lingvo-style step seeds and DeterministicDropout."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfremat
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed():
+  tfremat.ResetStepSeed()
+  tfremat.SetGlobalStep(None)
+  yield
+  tfremat.SetGlobalStep(None)
+
+
+def test_step_seed_counts_from_reset_value():
+  tfremat.ResetStepSeed(5)
+  assert tfremat.GetIncStepSeed().numpy() == 5
+  assert tfremat.GetIncStepSeed().numpy() == 6
+  assert tfremat.GetStepSeed().numpy() == 7
+  assert tfremat.GetStepSeed().dtype == tf.int64
+
+
+def test_seed_pairs_differ_on_each_call_and_add_seeds():
+  first = tfremat.GenerateStepSeedPair().numpy()
+  second = tfremat.GenerateStepSeedPair(random_seed=10, op_seed=3).numpy()
+  np.testing.assert_array_equal(first, [0, 0])
+  np.testing.assert_array_equal(second, [13, 14])
+  assert tfremat.GenerateStepSeedPair().shape == (2,)
+
+
+def test_global_step_is_the_first_element():
+  step = tf.Variable(41, dtype=tf.int64)
+  tfremat.SetGlobalStep(step)
+  np.testing.assert_array_equal(tfremat.GenerateStepSeedPair().numpy(), [41, 0])
+  step.assign_add(1)
+  np.testing.assert_array_equal(tfremat.GenerateStepSeedPair().numpy(), [42, 1])
+  with pytest.raises(TypeError, match="optimizer.iterations"):
+    tfremat.SetGlobalStep(3)
+
+
+def test_each_traced_function_starts_from_its_own_seed():
+
+  @tf.function
+  def pairs():
+    return tfremat.GenerateStepSeedPair(), tfremat.GenerateStepSeedPair()
+
+  a, b = pairs()
+  np.testing.assert_array_equal(a.numpy(), [0, 0])
+  np.testing.assert_array_equal(b.numpy(), [0, 1])
+  # The eager counter was not touched by the trace.
+  assert tfremat.GetStepSeed().numpy() == 0
+
+
+def test_deterministic_dropout_same_seeds_same_mask():
+  x = tf.ones([64, 64])
+  seeds = tf.constant([3, 4], tf.int64)
+  a = tfremat.DeterministicDropout(x, 0.75, seeds)
+  b = tfremat.DeterministicDropout(x, 0.75, seeds)
+  c = tfremat.DeterministicDropout(x, 0.75, seeds + 1)
+  np.testing.assert_array_equal(a.numpy(), b.numpy())
+  assert not np.array_equal(a.numpy(), c.numpy())
+  kept = a.numpy() != 0
+  assert abs(kept.mean() - 0.75) < 0.03
+  np.testing.assert_allclose(a.numpy()[kept], 1 / 0.75, rtol=1e-6)
+
+
+def test_deterministic_dropout_noise_shape_and_bfloat16():
+  x = tf.ones([8, 16], tf.bfloat16)
+  y = tfremat.DeterministicDropout(x, 0.5, tf.constant([1, 2]),
+                                   noise_shape=[1, 16])
+  assert y.dtype == tf.bfloat16
+  rows = y.numpy().astype(np.float32)
+  np.testing.assert_array_equal(rows, np.broadcast_to(rows[:1], rows.shape))
+  assert tfremat.DeterministicDropout(x, 1.0, [1, 2]) is x
+
+
+@pytest.mark.parametrize("keep_prob", [0.0, 1.5, -0.1, "0.5"])
+def test_deterministic_dropout_rejects_bad_keep_prob(keep_prob):
+  with pytest.raises(ValueError, match="probability to KEEP"):
+    tfremat.DeterministicDropout(tf.ones([2]), keep_prob, [1, 2])
