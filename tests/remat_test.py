@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 import tfremat
+from tfremat import remat as remat_lib
 from conftest import DEVICE_MODES, DEVICES, MODES
 from conftest import assert_trees_close, compile_step
 from conftest import restore, snapshot
@@ -381,6 +382,42 @@ def test_add_loss_inside_fn_raises_and_names_the_fix():
   with pytest.raises(tfremat.UnreplayableOpError,
                      match="add_loss.*RematerializationLayer"):
     tfremat.RematerializeFn(WithLoss(), tf.ones([2]))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_added_losses_come_back_differentiable(mode):
+  # The layer wrapper hands these back to their layers; here: their
+  # gradients equal those of the plain layer's losses.
+  keras.utils.set_random_seed(4)
+  dense = keras.layers.Dense(3, activity_regularizer="l2")
+  x = _x(4, 5)
+  dense(x)
+
+  def step(remat, a):
+    with tf.GradientTape() as tape:
+      tape.watch(a)
+      if remat:
+        y, losses = remat_lib.rematerialize_with_losses(
+            dense, (a,), on_losses=lambda losses: None)
+        losses = [differentiable for _, differentiable in losses]
+      else:
+        y, losses = dense(a), dense.losses
+      loss = tf.reduce_sum(y) + tf.add_n(losses)
+    return losses, tape.gradient(loss, [a] + dense.trainable_weights)
+
+  expected = compile_step(functools.partial(step, False), mode)(x)
+  actual = compile_step(functools.partial(step, True), mode)(x)
+  assert len(actual[0]) == 1
+  assert_trees_close(actual, expected)
+
+
+def test_only_variable_inputs_and_no_float_tensors():
+  v = tf.Variable([1.0, 2.0])
+  ids = tf.constant([1, 0])
+  with tf.GradientTape() as tape:
+    y = tfremat.RematerializeFn(lambda var, i: tf.gather(var, i) ** 2, v, ids)
+  grad = tf.convert_to_tensor(tape.gradient(y, v))  # IndexedSlices, as plain.
+  np.testing.assert_array_equal(grad.numpy(), [2.0, 4.0])
 
 
 def test_bad_arguments_raise_clear_errors():

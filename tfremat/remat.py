@@ -184,7 +184,7 @@ def rematerialize_with_losses(fn, xs, on_losses=_refuse_losses):
       values[i] = t
     seed = step_seed.GetStepSeed()
     global_step = step_seed.GetGlobalStep()
-    outputs, recorded = _run_forward(call_fn, values)
+    outputs, recorded = _run_forward(call_fn, values, seed)
     flat_outputs = [_to_output_leaf(y) for y in tf.nest.flatten(outputs)]
     if recorded.losses:
       on_losses(recorded.losses)
@@ -214,15 +214,15 @@ def rematerialize_with_losses(fn, xs, on_losses=_refuse_losses):
   return outputs, list(zip(forward["losses"], flat[num_outputs:]))
 
 
-def _run_forward(call_fn, values):
+def _run_forward(call_fn, values, seed):
   """Runs the forward pass, keeping nothing for the backward pass.
 
   Returns the outputs and the `ForwardState` recorded while they were computed.
   Layers built on this call create their variables inside the recording scope,
   where Keras only initializes them on exit; the outputs of that run used
-  placeholder weights, so the pass runs again once the variables exist.
+  placeholder weights, so the pass runs again, from the same step `seed`, once
+  the variables exist.
   """
-  seed = step_seed.GetStepSeed()
   for _ in range(2):
     with record.stop_recording():
       with state.RecordingScope() as scope, state.unreplayable_ops():
@@ -247,16 +247,15 @@ def _rerun_and_differentiate(call_fn, values, tensor_ids, diff_ids,
     inputs, seed, global_step, state_before = tf.nest.map_structure(
         lambda t: _gate(t, gate), (inputs, seed, global_step, state_before))
   values = list(values)
-  gated = {}
   for i, x in zip(tensor_ids, inputs):
-    values[i] = gated[i] = x
+    values[i] = x
   with step_seed.replaying(seed, global_step):
     with state.replaying(state_variables, state_before) as losses:
       outputs = call_fn(values)
   ys = [tf.convert_to_tensor(y) for y in tf.nest.flatten(outputs)] + losses
   pairs = [(y, dy) for y, dy in zip(ys, dys)
            if dy is not None and _is_differentiable(y)]
-  targets = [gated[i] for i in diff_ids] + variables
+  targets = [values[i] for i in diff_ids] + variables
   if not pairs:
     grads = [None] * len(targets)
   else:
