@@ -1,5 +1,6 @@
 """tfremat: activation rematerialization for TensorFlow 2 and Keras 3."""
 
+from tfremat.layers import RematerializationLayer
 from tfremat.remat import RematerializeFn
 from tfremat.remat import rematerialize
 from tfremat.state import UnreplayableOpError

@@ -1,0 +1,107 @@
+"""Runs a distributed training scenario for layers_distribute_test.py.
+
+  python distribute_worker.py mirrored OUT.npz
+  TF_CONFIG=... python distribute_worker.py multi_worker OUT.npz
+
+Writes, as arrays in OUT.npz, the weights after training with every block
+wrapped in RematerializationLayer under the strategy, and the weights after
+the same training on one device without rematerialization. A separate process
+because the CPU must be split into logical devices (or TF_CONFIG set) before
+TensorFlow starts.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # pylint: disable=g-import-not-at-top
+import numpy as np  # pylint: disable=g-import-not-at-top
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+import tfremat  # pylint: disable=g-import-not-at-top
+
+GLOBAL_BATCH = 8
+STEPS = 2
+X = np.random.RandomState(0).randn(GLOBAL_BATCH * STEPS, 6).astype("float32")
+Y = np.random.RandomState(1).randn(GLOBAL_BATCH * STEPS, 1).astype("float32")
+
+
+def model_fn(wrap):
+  """A deterministic residual model (no dropout: replicas split the batch,
+  so their masks could not match one device's mask over the whole batch)."""
+  keras.utils.set_random_seed(1)
+  inputs = keras.Input((6,))
+  h = inputs
+  for i in range(2):
+    block = keras.Sequential([
+        keras.layers.Dense(8, activation="tanh"),
+        keras.layers.LayerNormalization(),
+        keras.layers.Dense(6),
+    ], name=f"block{i}")
+    h = h + (tfremat.RematerializationLayer(block) if wrap else block)(h)
+  return keras.Model(inputs, keras.layers.Dense(1)(h))
+
+
+def custom_training(strategy, wrap):
+  """Custom steps; every replica gets its own rows of each global batch."""
+  with strategy.scope():
+    model = model_fn(wrap)
+    optimizer = keras.optimizers.SGD(0.1)
+
+  def replica_step(x, y):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum((model(x, training=True) - y) ** 2) / GLOBAL_BATCH
+    optimizer.apply(tape.gradient(loss, model.trainable_variables),
+                    model.trainable_variables)
+
+  @tf.function
+  def step(x, y):
+    strategy.run(replica_step, args=(x, y))
+
+  def per_replica(batch):
+    return strategy.experimental_distribute_values_from_function(
+        lambda ctx: batch[ctx.replica_id_in_sync_group::
+                          ctx.num_replicas_in_sync])
+
+  for i in range(STEPS):
+    rows = slice(i * GLOBAL_BATCH, (i + 1) * GLOBAL_BATCH)
+    step(per_replica(X[rows]), per_replica(Y[rows]))
+  return model.get_weights()
+
+
+def fit_training(strategy, wrap):
+  with strategy.scope():
+    model = model_fn(wrap)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+  model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+  return model.get_weights()
+
+
+def main(scenario, out):
+  # Both strategies must be set up before TensorFlow runs anything.
+  if scenario == "mirrored":
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  elif scenario == "multi_worker":
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+  else:
+    raise ValueError(f"unknown scenario {scenario!r}")
+  one_device = tf.distribute.OneDeviceStrategy("/cpu:0")
+  results = {
+      "initial": model_fn(False).get_weights(),
+      "custom": custom_training(strategy, True),
+      "custom_reference": custom_training(one_device, False),
+  }
+  if scenario == "mirrored":
+    results["fit"] = fit_training(strategy, True)
+    results["fit_reference"] = fit_training(one_device, False)
+  elif strategy.cluster_resolver.task_id != 0:
+    return  # Worker 0 reports for both.
+  np.savez(out, **{f"{k}/{i}": w for k, ws in results.items()
+                   for i, w in enumerate(ws)})
+
+if __name__ == "__main__":
+  main(*sys.argv[1:])

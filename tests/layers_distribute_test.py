@@ -1,0 +1,78 @@
+"""RematerializationLayer under tf.distribute equals one device without remat.
+
+The scenarios run in tests/distribute_worker.py, in subprocesses: the CPU is
+split into two logical devices for MirroredStrategy, and MultiWorkerMirrored
+runs two worker processes talking over 127.0.0.1.
+"""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import numpy as np
+
+from conftest import assert_trees_close
+
+TESTS = pathlib.Path(__file__).resolve().parent
+WORKER = TESTS / "distribute_worker.py"
+
+
+def _env(**extra):
+  path = os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")])
+  return dict(os.environ, PYTHONPATH=path, TF_CPP_MIN_LOG_LEVEL="2", **extra)
+
+
+def _weights(path, key):
+  with np.load(path) as data:
+    count = len([f for f in data.files if f.startswith(key + "/")])
+    return [data[f"{key}/{i}"] for i in range(count)]
+
+
+def _assert_trained_like_reference(path, key):
+  trained, reference = _weights(path, key), _weights(path, key + "_reference")
+  initial = _weights(path, "initial")
+  assert len(trained) == len(reference) == len(initial) == 14
+  assert_trees_close(trained, reference)
+  # Training moved the weights, so the comparison above means something.
+  assert max(np.abs(a - b).max() for a, b in zip(trained, initial)) > 1e-3
+
+
+def test_mirrored_strategy_custom_step_and_fit(tmp_path):
+  out = tmp_path / "mirrored.npz"
+  subprocess.run([sys.executable, str(WORKER), "mirrored", str(out)],
+                 check=True, env=_env(), timeout=600)
+  _assert_trained_like_reference(out, "custom")
+  _assert_trained_like_reference(out, "fit")
+
+
+def _free_ports(count):
+  sockets = [socket.socket() for _ in range(count)]
+  for s in sockets:
+    s.bind(("127.0.0.1", 0))
+  ports = [s.getsockname()[1] for s in sockets]
+  for s in sockets:
+    s.close()
+  return ports
+
+
+def test_multi_worker_mirrored_strategy_two_processes(tmp_path):
+  workers = [f"127.0.0.1:{port}" for port in _free_ports(2)]
+  out = tmp_path / "multi_worker.npz"
+  procs = []
+  for index in range(2):
+    tf_config = json.dumps({"cluster": {"worker": workers},
+                            "task": {"type": "worker", "index": index}})
+    procs.append(subprocess.Popen(
+        [sys.executable, str(WORKER), "multi_worker", str(out)],
+        env=_env(TF_CONFIG=tf_config), stderr=subprocess.PIPE, text=True))
+  try:
+    for proc in procs:
+      _, stderr = proc.communicate(timeout=600)
+      assert proc.returncode == 0, stderr[-3000:]
+  finally:
+    for proc in procs:
+      proc.kill()
+  _assert_trained_like_reference(out, "custom")

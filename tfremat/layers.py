@@ -1,0 +1,116 @@
+"""RematerializationLayer: a Keras 3 layer that rematerializes another layer.
+
+  block = tfremat.RematerializationLayer(keras.Sequential([...]))
+  y = block(x, training=True)    # same as the wrapped layer's call
+
+The wrapped layer's call runs through `RematerializeFn`: its activations are
+recomputed in the backward pass, with the same dropout masks and with
+BatchNormalization statistics updated once. Everything else is the wrapped
+layer's: weights, output shapes, dtypes, masks, losses.
+"""
+
+import keras
+import tensorflow as tf
+
+from tfremat import remat
+
+
+def _has_tensor(value):
+  return any(isinstance(v, (tf.Tensor, tf.Variable, keras.KerasTensor))
+             or hasattr(v, "__array__") and not isinstance(v, (bool, int, float))
+             for v in tf.nest.flatten(value))
+
+
+@keras.saving.register_keras_serializable(package="tfremat")
+class RematerializationLayer(keras.layers.Wrapper):
+  """Wraps a Keras layer so that its activations are recomputed on backward.
+
+  Calling the wrapper is calling the wrapped layer: the same positional inputs
+  (tensors or nested structures), `training=`, `mask=` and other keyword
+  arguments, the same outputs and masks. Tensor arguments, positional or
+  keyword, are differentiated; other keyword arguments are passed as they are.
+
+  Args:
+    layer: the Keras layer to rematerialize: a built-in layer, a custom
+      layer, a `Sequential` or a functional model.
+    **kwargs: base `keras.layers.Layer` arguments (`name`, `trainable`, ...).
+      `dtype` defaults to the wrapped layer's dtype policy, so that inputs are
+      cast exactly as the wrapped layer casts them.
+  """
+
+  def __init__(self, layer, **kwargs):
+    if not isinstance(layer, keras.layers.Layer):
+      raise TypeError(
+          "RematerializationLayer wraps a Keras layer (keras.layers.Layer, "
+          f"including Sequential and functional models); got "
+          f"{type(layer).__name__}: {layer!r}. To rematerialize a plain "
+          "function, use tfremat.RematerializeFn(fn, *inputs) or the "
+          "@tfremat.rematerialize decorator.")
+    if isinstance(layer, keras.layers.InputLayer):
+      raise TypeError(
+          "RematerializationLayer cannot wrap an InputLayer: it holds no "
+          "computation. Wrap the layers that follow the input.")
+    kwargs.setdefault("dtype", layer.dtype_policy)
+    super().__init__(layer, **kwargs)
+    self.supports_masking = layer.supports_masking
+    if not self.trainable:
+      # Keras propagates `trainable` to sublayers only when it is set later.
+      layer.trainable = False
+
+  @classmethod
+  def from_config(cls, config, custom_objects=None):
+    # keras.layers.Wrapper.from_config pops "layer" from the caller's dict.
+    return super().from_config(dict(config), custom_objects=custom_objects)
+
+  def build(self, input_shape=None):
+    # The wrapped layer builds itself from its own call signature on its first
+    # call (symbolic in a functional model, or real); a wrapper that knows
+    # only the first input's shape could not build, e.g., MultiHeadAttention.
+    del input_shape
+    self.built = True
+
+  def get_build_config(self):
+    return self.layer.get_build_config()
+
+  def build_from_config(self, config):
+    if config:
+      self.layer.build_from_config(config)
+    self.built = True
+
+  def _layer_kwargs(self, training, mask, kwargs):
+    kwargs = dict(kwargs)
+    if training is not None and self.layer._call_has_training_arg:  # pylint: disable=protected-access
+      kwargs["training"] = training
+    if mask is not None and self.layer._call_has_mask_arg:  # pylint: disable=protected-access
+      kwargs["mask"] = mask
+    return kwargs
+
+  def call(self, inputs, *args, training=None, mask=None, **kwargs):
+    kwargs = self._layer_kwargs(training, mask, kwargs)
+    tensor_kwargs = {k: v for k, v in kwargs.items() if _has_tensor(v)}
+    python_kwargs = {k: v for k, v in kwargs.items() if k not in tensor_kwargs}
+
+    def fn(inputs, args, tensor_kwargs):
+      return self.layer(inputs, *args, **tensor_kwargs, **python_kwargs)
+
+    outputs, losses = remat.rematerialize_with_losses(
+        fn, (inputs, args, tensor_kwargs), on_losses=lambda losses: None)
+    # Losses the wrapped layer added (activity regularizers) come back as
+    # outputs of the rematerialized call, so their gradients flow; they are
+    # this layer's now.
+    for _, loss in losses:
+      self.add_loss(loss)
+    return outputs
+
+  def compute_output_spec(self, inputs, *args, training=None, mask=None,
+                          **kwargs):
+    # A symbolic call of the wrapped layer: gives its exact output spec and
+    # builds it as an unwrapped call would.
+    return self.layer(inputs, *args, **self._layer_kwargs(training, mask,
+                                                          kwargs))
+
+  def compute_output_shape(self, *args, **kwargs):
+    return self.layer.compute_output_shape(*args, **kwargs)
+
+  def compute_mask(self, inputs, mask=None):
+    return self.layer.compute_mask(inputs, mask)
