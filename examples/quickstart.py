@@ -14,17 +14,23 @@ import tensorflow as tf
 
 import tfremat
 from tfremat import bench
+from tfremat import models
 
-flags.DEFINE_integer("steps", 200, "Training steps.")
-flags.DEFINE_integer("blocks", 8, "Residual blocks.")
-flags.DEFINE_integer("width", 128, "Residual width.")
-flags.DEFINE_integer("batch", 1024, "Batch size.")
 FLAGS = flags.FLAGS
+
+
+def define_flags():
+  """Command-line flags, defined only when run as a program (tests import
+  this file)."""
+  flags.DEFINE_integer("steps", 200, "Training steps.")
+  flags.DEFINE_integer("blocks", 8, "Residual blocks.")
+  flags.DEFINE_integer("width", 128, "Residual width.")
+  flags.DEFINE_integer("batch", 1024, "Batch size.")
 
 
 def train(remat, steps, blocks, width, batch):
   """Returns (losses, peak step bytes) of training the residual MLP."""
-  layers = bench.residual_mlp(blocks, width, dropout=0.1)
+  layers = models.residual_mlp(blocks, width, dropout=0.1)
   head = keras.layers.Dense(1)
   head.build((None, width))
   variables = [v for b in layers for v in b.trainable_weights]
@@ -71,4 +77,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -7,15 +7,25 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _listed_files():
-  """Every "*.py" string literal in BUILD, with the "%s" test pattern expanded."""
+  """Every "*.py" file BUILD names, with its list comprehensions expanded.
+
+  Returns the files and the names of the py_test targets.
+  """
   tree = ast.parse((ROOT / "BUILD").read_text())
-  strings = [n.value for n in ast.walk(tree)
-             if isinstance(n, ast.Constant) and isinstance(n.value, str)]
-  tests = [elt.elts[0].value for n in ast.walk(tree)
-           if isinstance(n, ast.comprehension)
-           for elt in n.iter.elts]
-  listed = {s for s in strings if s.endswith(".py") and "%" not in s}
-  listed |= {f"tests/{name}.py" for name in tests}
+  listed = {n.value for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and n.value.endswith(".py") and "%" not in n.value}
+  tests = []
+  for comp in ast.walk(tree):
+    if not isinstance(comp, ast.ListComp):
+      continue
+    rule = comp.elt.func.id
+    names = [e.elts[0].value if isinstance(e, ast.Tuple) else e.value
+             for e in comp.generators[0].iter.elts]
+    folder = {"py_test": "tests", "py_binary": "examples"}[rule]
+    listed |= {f"{folder}/{name}.py" for name in names}
+    if rule == "py_test":
+      tests += names
   return listed, tests
 
 

@@ -24,3 +24,13 @@ def test_quickstart_trains_and_remat_matches_and_saves_memory():
   # Same weights, data and dropout seeds: the same training trajectory.
   np.testing.assert_allclose(remat_losses, plain_losses, rtol=1e-4)
   assert remat_peak < 0.6 * plain_peak
+
+
+def test_keras_transformer_learns_and_wrapping_saves_memory():
+  example = _load("keras_transformer")
+  sizes = dict(batch=16, seq_len=32, blocks=2, width=32, vocab=32)
+  losses = example.train(steps=100, **sizes)
+  assert losses[-1] < 0.5 * losses[0], losses
+  plain = example.peak_train_bytes(False, **sizes)
+  wrapped = example.peak_train_bytes(True, **sizes)
+  assert wrapped < 0.8 * plain, (wrapped, plain)

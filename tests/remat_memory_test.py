@@ -4,6 +4,7 @@ import pytest
 import tensorflow as tf
 
 from tfremat import bench
+from tfremat import models
 
 # 32 residual blocks: 2 MiB block inputs, 8 MiB hidden activations, so the
 # activations dominate the weights' gradients, as in a real model.
@@ -12,7 +13,7 @@ _BLOCKS, _WIDTH, _BATCH = 32, 128, 4096
 
 @pytest.mark.parametrize("jit", [False, True], ids=["function", "xla"])
 def test_every_block_rematerialized_peaks_at_most_035x_of_plain(jit):
-  blocks = bench.residual_mlp(_BLOCKS, _WIDTH, dropout=0.1)
+  blocks = models.residual_mlp(_BLOCKS, _WIDTH, dropout=0.1)
   x = tf.random.stateless_normal([_BATCH, _WIDTH], seed=[1, 2])
   peaks = {}
   for method in ("none", "tfremat"):

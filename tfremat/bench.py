@@ -1,7 +1,8 @@
 """Benchmark: peak memory, step time and gradient error of remat methods.
 
-  python -m tfremat.bench          # tf.function
-  python -m tfremat.bench --jit    # tf.function(jit_compile=True)
+  python -m tfremat.bench                      # residual MLP, tf.function
+  python -m tfremat.bench --jit                # tf.function(jit_compile=True)
+  python -m tfremat.bench --model transformer  # causal transformer LM
 
 Each method runs in its own process (allocator statistics and XLA caches are
 per process) on the same model, weights, batch and dropout seeds:
@@ -9,7 +10,8 @@ per process) on the same model, weights, batch and dropout seeds:
   none               no rematerialization
   tf.recompute_grad  TensorFlow's built-in
   keras.remat        Keras 3's (on TensorFlow: tf.recompute_grad again)
-  tfremat            tfremat.RematerializeFn
+  tfremat            tfremat.RematerializeFn around each block's call
+  tfremat.layer      tfremat.RematerializationLayer around each block
 
 Peak memory is the allocator's peak during one training step above what was
 allocated just before it (weights and the batch are not counted; activations,
@@ -29,7 +31,15 @@ from absl import app
 from absl import flags
 import numpy as np
 
-METHODS = ("none", "tf.recompute_grad", "keras.remat", "tfremat")
+METHODS = ("none", "tf.recompute_grad", "keras.remat", "tfremat",
+           "tfremat.layer")
+
+# Per-model default sizes; flags override them.
+DEFAULTS = {
+    "mlp": dict(blocks=16, width=256, batch=2048),
+    "transformer": dict(blocks=8, width=128, batch=32, seq_len=128, heads=4,
+                        vocab=256),
+}
 
 FLAGS = flags.FLAGS
 
@@ -37,53 +47,46 @@ FLAGS = flags.FLAGS
 def define_flags():
   """The command line's flags; defined only when run as a program, so that
   importing the helpers below adds no flags to the importer's."""
+  flags.DEFINE_enum("model", "mlp", sorted(DEFAULTS),
+                    "mlp: residual MLP blocks; transformer: causal LM blocks.")
   flags.DEFINE_bool("jit", False, "Compile the training step with XLA.")
-  flags.DEFINE_integer("blocks", 16, "Residual MLP blocks.")
-  flags.DEFINE_integer("width", 256, "Residual width; the hidden layer is 4x.")
-  flags.DEFINE_integer("batch", 2048, "Batch size.")
+  flags.DEFINE_integer("blocks", None, "Blocks (default: per model).")
+  flags.DEFINE_integer("width", None, "Model width (default: per model).")
+  flags.DEFINE_integer("batch", None, "Batch size (default: per model).")
+  flags.DEFINE_integer("seq_len", None, "Transformer sequence length.")
+  flags.DEFINE_integer("heads", None, "Transformer attention heads.")
+  flags.DEFINE_integer("vocab", None, "Transformer vocabulary size.")
   flags.DEFINE_float("dropout", 0.1, "Dropout rate inside every block.")
   flags.DEFINE_integer("steps", 10, "Timed steps per method.")
   flags.DEFINE_list("methods", list(METHODS), "Methods to run.")
   flags.DEFINE_string("worker", None, "Internal: run one method, write JSON.")
   flags.DEFINE_string("out", None, "Internal: the worker's output path.")
 
-def residual_mlp(blocks, width, dropout, seed=0):
-  """`blocks` Keras blocks h -> Dense(4w, relu) -> Dropout -> Dense(w)."""
-  import keras  # pylint: disable=g-import-not-at-top
-  keras.utils.set_random_seed(seed)
-  model = []
-  for i in range(blocks):
-    block = keras.Sequential([
-        keras.layers.Dense(4 * width, activation="relu"),
-        keras.layers.Dropout(dropout, seed=1000 + i),
-        keras.layers.Dense(width),
-    ], name=f"block{i}")
-    block.build((None, width))
-    model.append(block)
-  return model
-
-
-def wrap(method, fn):
-  """`fn` rematerialized by `method` (one of METHODS)."""
+def wrap(method, block):
+  """`block`'s training-mode call, rematerialized by `method` (see METHODS)."""
   import keras  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tfremat  # pylint: disable=g-import-not-at-top
-  wrappers = {
-      "none": lambda f: f,
-      "tf.recompute_grad": tf.recompute_grad,
-      "keras.remat": keras.remat,
-      "tfremat": lambda f: lambda *xs: tfremat.RematerializeFn(f, *xs),
-  }
-  if method not in wrappers:
-    raise ValueError(
-        f"Unknown method {method!r}; choose from {', '.join(METHODS)}.")
-  return wrappers[method](fn)
+  call = lambda h: block(h, training=True)
+  if method == "none":
+    return call
+  if method == "tf.recompute_grad":
+    return tf.recompute_grad(call)
+  if method == "keras.remat":
+    return keras.remat(call)
+  if method == "tfremat":
+    return lambda h: tfremat.RematerializeFn(call, h)
+  if method == "tfremat.layer":
+    layer = tfremat.RematerializationLayer(block)
+    return lambda h: layer(h, training=True)
+  raise ValueError(
+      f"Unknown method {method!r}; choose from {', '.join(METHODS)}.")
 
 
 def residual_step(blocks, method, jit):
-  """A tf.function training step over a residual stack: loss gradients."""
+  """A training step over residual MLP blocks: the loss gradients."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  calls = [wrap(method, lambda h, b=b: b(h, training=True)) for b in blocks]
+  calls = [wrap(method, b) for b in blocks]
   variables = [v for b in blocks for v in b.trainable_weights]
 
   @tf.function(jit_compile=jit)
@@ -99,6 +102,46 @@ def residual_step(blocks, method, jit):
   return step
 
 
+def transformer_step(parts, method, jit):
+  """A language-model training step over transformer blocks: the gradients."""
+  import keras  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  embed, blocks, head = parts
+  calls = [wrap(method, b) for b in blocks]
+  variables = [v for m in [embed] + blocks + [head]
+               for v in m.trainable_weights]
+  loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+  @tf.function(jit_compile=jit)
+  def step(tokens):
+    with tf.GradientTape() as tape:
+      h = embed(tokens[:, :-1])
+      for call in calls:
+        h = call(h)
+      loss = loss_fn(tokens[:, 1:], head(h))
+    return tape.gradient(loss, variables)
+
+  return step
+
+
+def make_step(model, method, jit, sizes, dropout):
+  """The model's training step under `method`, and its input batch."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfremat import models  # pylint: disable=g-import-not-at-top
+  if model == "mlp":
+    blocks = models.residual_mlp(sizes["blocks"], sizes["width"], dropout)
+    x = tf.random.stateless_normal([sizes["batch"], sizes["width"]],
+                                   seed=[1, 2])
+    return residual_step(blocks, method, jit), x
+  parts = models.transformer_parts(
+      sizes["vocab"], sizes["seq_len"] - 1, sizes["width"], sizes["heads"],
+      sizes["blocks"], dropout)
+  tokens = tf.random.stateless_uniform(
+      [sizes["batch"], sizes["seq_len"]], seed=[1, 2], maxval=sizes["vocab"],
+      dtype=tf.int32)
+  return transformer_step(parts, method, jit), tokens
+
+
 def peak_step_bytes(step, *args):
   """Peak allocator bytes of one `step(*args)` call above the prior level.
 
@@ -110,24 +153,28 @@ def peak_step_bytes(step, *args):
   tf.config.experimental.reset_memory_stats(device)
   baseline = tf.config.experimental.get_memory_info(device)["current"]
   result = step(*args)
-  tf.nest.map_structure(lambda t: t.numpy(), result)  # Wait for the step.
+  tf.nest.map_structure(np.asarray, result)  # Wait for the step to finish.
   return tf.config.experimental.get_memory_info(device)["peak"] - baseline
+
+
+def _sizes():
+  return {k: (getattr(FLAGS, k) if getattr(FLAGS, k) is not None else v)
+          for k, v in DEFAULTS[FLAGS.model].items()}
 
 
 def _run_worker(method, out):
   """Measures one method in this process and writes the results to `out`."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  blocks = residual_mlp(FLAGS.blocks, FLAGS.width, FLAGS.dropout)
-  x = tf.random.stateless_normal([FLAGS.batch, FLAGS.width], seed=[1, 2])
-  step = residual_step(blocks, method, FLAGS.jit)
+  step, batch = make_step(FLAGS.model, method, FLAGS.jit, _sizes(),
+                          FLAGS.dropout)
   # The first call traces; its gradients (same weights and seed states in
   # every process) are the ones compared across methods.
-  grads = [g.numpy() for g in step(x)]
-  peak = peak_step_bytes(step, x)
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  grads = [np.asarray(tf.convert_to_tensor(g)) for g in step(batch)]
+  peak = peak_step_bytes(step, batch)
   times = []
   for _ in range(FLAGS.steps):
     start = time.perf_counter()
-    step(x)[0].numpy()
+    np.asarray(step(batch)[0])
     times.append(time.perf_counter() - start)
   np.savez(out + ".npz", *grads)
   with open(out, "w") as f:
@@ -136,9 +183,9 @@ def _run_worker(method, out):
 
 def _run_method(method, out):
   args = [sys.executable, "-m", "tfremat.bench", f"--worker={method}",
-          f"--out={out}", f"--blocks={FLAGS.blocks}", f"--width={FLAGS.width}",
-          f"--batch={FLAGS.batch}", f"--dropout={FLAGS.dropout}",
-          f"--steps={FLAGS.steps}", f"--jit={FLAGS.jit}"]
+          f"--out={out}", f"--model={FLAGS.model}", f"--jit={FLAGS.jit}",
+          f"--dropout={FLAGS.dropout}", f"--steps={FLAGS.steps}"]
+  args += [f"--{k}={v}" for k, v in _sizes().items()]
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
   proc = subprocess.run(args, env=env, capture_output=True, text=True,
                         check=False)
@@ -147,8 +194,7 @@ def _run_method(method, out):
   with open(out) as f:
     result = json.load(f)
   with np.load(out + ".npz") as grads:
-    result["grads"] = [grads[k] for k in sorted(grads.files,
-                                               key=lambda k: int(k[4:]))]
+    result["grads"] = [grads[f"arr_{i}"] for i in range(len(grads.files))]
   return result
 
 
@@ -187,10 +233,9 @@ def main(argv):
   methods = [m for m in METHODS if m in FLAGS.methods]
   import keras  # pylint: disable=g-import-not-at-top
   progress = keras.utils.Progbar(len(methods), unit_name="method")
-  print(f"Residual MLP: {FLAGS.blocks} blocks, width {FLAGS.width} "
-        f"(hidden {4 * FLAGS.width}), batch {FLAGS.batch}, dropout "
-        f"{FLAGS.dropout}, {'XLA' if FLAGS.jit else 'tf.function'}, "
-        f"{FLAGS.steps} timed steps")
+  sizes = ", ".join(f"{k} {v}" for k, v in _sizes().items())
+  print(f"{FLAGS.model}: {sizes}, dropout {FLAGS.dropout}, "
+        f"{'XLA' if FLAGS.jit else 'tf.function'}, {FLAGS.steps} timed steps")
   results = {}
   with tempfile.TemporaryDirectory() as tmp:
     for i, method in enumerate(methods):
