@@ -59,6 +59,9 @@ def _free_ports(count):
 
 
 def test_multi_worker_mirrored_strategy_two_processes(tmp_path):
+  # A custom training step only: on Keras 3.15 / TF 2.21, model.fit under
+  # MultiWorkerMirroredStrategy fails inside Keras's trainer
+  # (_maybe_symbolic_build's strategy.reduce) with or without tfremat.
   workers = [f"127.0.0.1:{port}" for port in _free_ports(2)]
   out = tmp_path / "multi_worker.npz"
   procs = []
