@@ -2,6 +2,7 @@
 
 import importlib.util
 import pathlib
+import sys
 
 import numpy as np
 
@@ -11,6 +12,8 @@ EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 def _load(name):
   spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
   module = importlib.util.module_from_spec(spec)
+  # Registered as an import would be: Params text names classes by module.
+  sys.modules[name] = module
   spec.loader.exec_module(module)
   return module
 
@@ -34,3 +37,20 @@ def test_keras_transformer_learns_and_wrapping_saves_memory():
   plain = example.peak_train_bytes(False, **sizes)
   wrapped = example.peak_train_bytes(True, **sizes)
   assert wrapped < 0.8 * plain, (wrapped, plain)
+
+
+def test_lingvo_style_transformer_params_round_trip_and_training():
+  import tfremat  # pylint: disable=g-import-not-at-top
+  example = _load("lingvo_style_transformer")
+  p = example.LmTask.Params().Set(seq_len=16, batch_size=8, learning_rate=1e-2)
+  p.builder.Set(vocab=16, dims=16, heads=2, blocks=2, random_seed=1,
+                deterministic_dropout=True)
+  copy = example.LmTask.Params().FromText(p.ToText())
+  assert copy == p
+  task = p.Instantiate()
+  stack = task.model.layers[1]
+  remat = [l for l in stack.subs
+           if isinstance(l, tfremat.RematerializationLayer)]
+  assert len(remat) == 2
+  losses = task.Train(80, log=lambda line: None)
+  assert losses[-1] < 0.7 * losses[0], losses

@@ -1,5 +1,7 @@
 """tfremat: activation rematerialization for TensorFlow 2 and Keras 3."""
 
+from tfremat import builder
+from tfremat import hyperparams
 from tfremat.layers import RematerializationLayer
 from tfremat.remat import RematerializeFn
 from tfremat.remat import rematerialize

@@ -12,6 +12,7 @@ layer's: weights, output shapes, dtypes, masks, losses.
 import keras
 import tensorflow as tf
 
+from tfremat import hyperparams
 from tfremat import remat
 
 
@@ -56,6 +57,21 @@ class RematerializationLayer(keras.layers.Wrapper):
     if not self.trainable:
       # Keras propagates `trainable` to sublayers only when it is set later.
       layer.trainable = False
+
+  @classmethod
+  def Params(cls):
+    """Lingvo-style Params: `body` is the Params of the layer to wrap."""
+    p = hyperparams.InstantiableParams(cls)
+    p.Define("body", None, "Params of the layer to rematerialize.")
+    return p
+
+  @classmethod
+  def FromParams(cls, params):
+    if not hyperparams.IsInstantiable(params.body):
+      raise ValueError(
+          f"RematerializationLayer {params.name}: body must be instantiable "
+          f"Params (e.g. from a builder helper); got {params.body!r}.")
+    return cls(params.body.Instantiate(), name=params.name)
 
   @classmethod
   def from_config(cls, config, custom_objects=None):

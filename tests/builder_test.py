@@ -1,0 +1,203 @@
+"""The Lingvo-style builder: helpers, and rematerialized stacks' parity."""
+
+import functools
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfremat
+from tfremat import bench
+from tfremat import builder
+from conftest import DEVICE_MODES, assert_trees_close, compile_step
+
+
+class _Builder(builder.Base):
+
+  def _Block(self, name, dims):
+    """Residual: x + Linear(Dropout(relu(Linear(LN(x)) + b)))."""
+    return self._Par(
+        name, self._Id("skip"),
+        self._Seq("body", self._LN("ln", dims),
+                  self._Linear("up", dims, 2 * dims),
+                  self._Bias("bias", 2 * dims),
+                  self._Fn("relu", tf.nn.relu),
+                  self._Dropout("drop", 0.6),
+                  self._Linear("down", 2 * dims, dims)))
+
+  def _Stack(self, name, dims, blocks, remat):
+    subs = [self._Block(f"block{i}", dims) for i in range(blocks)]
+    if remat:
+      subs = [self._Rematerialize(f"remat{i}", s) for i, s in enumerate(subs)]
+    return self._Seq(name, *subs)
+
+
+def _b(**kwargs):
+  return _Builder.Params().Set(random_seed=5, **kwargs).Instantiate()
+
+
+def _x(*shape):
+  return tf.random.stateless_normal(shape, seed=[3, 4])
+
+
+def test_basic_helpers_compute_what_they_say():
+  b = _b()
+  x, y = _x(2, 3), _x(2, 3) * 2
+  linear = b._Linear("w", 3, 4).Instantiate()
+  np.testing.assert_allclose(linear(x), x.numpy() @ linear.w.numpy(),
+                             rtol=1e-6)
+  assert [w.name for w in linear.weights] == ["w"]
+  bias = b._Bias("b", 3).Instantiate()
+  bias.b.assign([1.0, 2.0, 3.0])
+  np.testing.assert_allclose(bias(x), x.numpy() + [1, 2, 3], rtol=1e-6)
+  ln = b._LN("ln", 3).Instantiate()(x).numpy()
+  np.testing.assert_allclose(ln.mean(-1), 0, atol=1e-5)
+  np.testing.assert_allclose(b._Fn("f", lambda a, c: a * c).Instantiate()(
+      x, y), x * y)
+  ident = b._Id("i").Instantiate()(x, y)
+  assert isinstance(ident, tuple) and ident[1] is y
+  assert b._Arg("a", 1).Instantiate()(x, y) is y
+  par = b._Par("p", b._Id("i"), b._Fn("d", lambda a: 2 * a)).Instantiate()
+  np.testing.assert_allclose(par(x), 3 * x, rtol=1e-6)
+  seq = b._Seq("s", b._Fn("f", lambda a: (a, a + 1)),
+               b._Fn("g", lambda a, c: a * c)).Instantiate()
+  np.testing.assert_allclose(seq(x), x * (x + 1), rtol=1e-6)
+
+
+def test_dropout_helper_follows_deterministic_dropout():
+  x = tf.ones([50, 50])
+  det = _b(deterministic_dropout=True)._Dropout("d", 0.7).Instantiate()
+  ker = _b()._Dropout("d", 0.7).Instantiate()
+  assert isinstance(det, tfremat.builder_layers.DeterministicDropoutLayer)
+  assert isinstance(ker, tfremat.builder_layers.KerasDropoutLayer)
+  for layer in (det, ker):
+    assert layer(x, training=False) is x
+    kept = layer(x, training=True).numpy() != 0
+    assert abs(kept.mean() - 0.7) < 0.05
+
+
+def test_rep_repeats_with_independent_weights():
+  b = _b()
+  rep = b._Rep("rep", 3, b._Linear("w", 4, 4), b._Bias("b", 4)).Instantiate()
+  assert len(rep.weights) == 6
+  w0, w1 = rep.reps[0].subs[0].w, rep.reps[1].subs[0].w
+  assert not np.allclose(w0.numpy(), w1.numpy())
+  w0.assign(tf.zeros_like(w0))
+  assert np.abs(w1.numpy()).sum() > 0
+  x = _x(2, 4)
+  expected = x
+  for r in rep.reps:
+    expected = expected @ r.subs[0].w + r.subs[1].b
+  np.testing.assert_allclose(rep(x), expected, rtol=1e-5)
+
+
+def _parity(deterministic, mode, device, make_remat, x):
+  """A plain 3-block stack vs `make_remat(builder)`: outputs and gradients."""
+  with tf.device(device):
+    b = _b(deterministic_dropout=deterministic)
+    plain = b._Stack("stack", 8, 3, remat=False).Instantiate()
+    remat = make_remat(b).Instantiate()
+    # Same weights, in the same order, wrapped or not.
+    assert len(remat.weights) == len(plain.weights) == 15
+    remat.set_weights(plain.get_weights())
+
+  def step(layer, x):
+    tfremat.ResetStepSeed(0)
+    with tf.GradientTape() as tape:
+      tape.watch(x)
+      y = layer(x, training=True)
+      loss = tf.reduce_sum(y * tf.sin(y))
+    return y, tape.gradient(loss, [x] + layer.trainable_weights)
+
+  with tf.device(device):
+    expected = compile_step(functools.partial(step, plain), mode)(x)
+    actual = compile_step(functools.partial(step, remat), mode)(x)
+  assert_trees_close(actual, expected)
+  return actual
+
+
+@pytest.mark.parametrize("deterministic", [True, False],
+                         ids=["deterministic_dropout", "keras_dropout"])
+@pytest.mark.parametrize("device, mode", DEVICE_MODES)
+def test_rematerialized_stack_matches_plain(device, mode, deterministic):
+  y, _ = _parity(deterministic, mode, device,
+                 lambda b: b._Stack("stack", 8, 3, remat=True), _x(4, 8))
+  # Dropout was active: some activations of the last block's body are 0.
+  assert np.isfinite(y.numpy()).all()
+
+
+@pytest.mark.parametrize("segments", [1, 2, "sqrt"])
+def test_rematerialize_seq_matches_plain(segments):
+
+  def make(b):
+    return b._RematerializeSeq(
+        "stack", segments, *[b._Block(f"block{i}", 8) for i in range(3)])
+
+  _parity(True, "function", "/CPU:0", make, _x(4, 8))
+  b = _b()
+  stack = make(b)
+  expected = {1: 1, 2: 2, "sqrt": 2}[segments]
+  assert len(stack.sub) == expected
+  assert all(s.cls is tfremat.RematerializationLayer for s in stack.sub)
+
+
+def test_rematerialize_seq_rejects_bad_segments():
+  b = _b()
+  for bad in (0, 4, "half", 1.5, True):
+    with pytest.raises(ValueError, match="segments must be"):
+      b._RematerializeSeq("s", bad, b._Id("a"), b._Id("b"), b._Id("c"))
+
+
+def test_rematerialization_layer_params_wraps_the_instantiated_body():
+  b = _b()
+  layer = b._Rematerialize("r", b._Linear("w", 3, 2)).Instantiate()
+  assert isinstance(layer, tfremat.RematerializationLayer)
+  assert isinstance(layer.layer, tfremat.builder_layers.LinearLayer)
+  assert "body" in tfremat.RematerializationLayer.Params()
+  with pytest.raises(ValueError, match="body must be instantiable"):
+    tfremat.RematerializationLayer.Params().Set(body=3).Instantiate()
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["function", "xla"])
+def test_builder_stack_trains_with_fit(jit):
+
+  def model(remat):
+    stack = _b(deterministic_dropout=True)._Stack(
+        "stack", 8, 2, remat=remat).Instantiate()
+    inputs = keras.Input((8,))
+    return keras.Model(inputs, keras.layers.Dense(1)(stack(inputs)))
+
+  plain, remat = model(False), model(True)
+  remat.set_weights(plain.get_weights())
+  initial = plain.get_weights()
+  x, y = _x(16, 8).numpy(), _x(16, 1).numpy()
+  for m in (plain, remat):
+    m.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse",
+              jit_compile=jit)
+    m.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+  assert_trees_close(remat.get_weights(), plain.get_weights())
+  assert not np.allclose(plain.get_weights()[0], initial[0])
+
+
+def test_sqrt_segments_save_memory_on_a_16_layer_stack():
+  b = _b(deterministic_dropout=True)
+  layers = [b._Block(f"block{i}", 256) for i in range(16)]
+  x = tf.random.stateless_normal([2048, 256], seed=[1, 1])
+  peaks = {}
+  for segments in (None, "sqrt", 16):
+    p = (b._Seq("stack", *layers) if segments is None else
+         b._RematerializeSeq("stack", segments, *layers))
+    stack = p.Instantiate()
+
+    @tf.function
+    def step(x, stack=stack):
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(stack(x, training=True) ** 2)
+      return tape.gradient(loss, stack.trainable_weights)
+
+    step(x)
+    peaks[segments] = bench.peak_step_bytes(step, x)
+  print({k: f"{v / 2**20:.1f} MiB" for k, v in peaks.items()})
+  assert peaks["sqrt"] < 0.5 * peaks[None], peaks
+  assert peaks[16] < 0.5 * peaks[None], peaks

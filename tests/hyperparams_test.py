@@ -1,0 +1,107 @@
+"""Lingvo-style Params: define, set, copy, nest, text round trip, errors."""
+
+import pytest
+
+from tfremat import hyperparams
+
+
+def _params():
+  p = hyperparams.Params()
+  p.Define("dims", 512, "Model width.")
+  p.Define("activation", "relu", "Activation name.")
+  p.Define("dropout", hyperparams.Params(), "Dropout settings.")
+  p.dropout.Define("keep_prob", 0.9, "Probability to keep.")
+  p.Define("layers", [hyperparams.Params(), hyperparams.Params()], "Subs.")
+  for i, sub in enumerate(p.layers):
+    sub.Define("width", 10 * (i + 1), "Width.")
+  p.Define("shape", (2, 3), "A tuple.")
+  p.Define("table", {"a": 1}, "A dict.")
+  p.Define("cls", hyperparams.Params, "A class.")
+  p.Define("none", None, "Nothing yet.")
+  return p
+
+
+def test_define_set_get_and_chaining():
+  p = _params()
+  assert p.dims == 512 and p.Get("dropout.keep_prob") == 0.9
+  assert p.Set(dims=64, activation="gelu") is p
+  assert (p.dims, p.activation) == (64, "gelu")
+  p.dropout.keep_prob = 0.5
+  assert p.Get("dropout.keep_prob") == 0.5
+  assert "dims" in p and "dimz" not in p
+
+
+def test_copy_is_deep_but_shares_classes():
+  p = _params()
+  q = p.Copy()
+  q.dropout.keep_prob = 0.1
+  q.layers[0].width = 99
+  q.table["a"] = 2
+  assert p.dropout.keep_prob == 0.9 and p.layers[0].width == 10
+  assert p.table == {"a": 1}
+  assert q.cls is hyperparams.Params
+  assert p.Copy() == p and q != p
+
+
+def test_text_form_lists_every_value_and_round_trips():
+  p = _params()
+  text = p.ToText()
+  assert text.splitlines() == [
+      "activation : 'relu'",
+      "cls : type/tfremat.hyperparams/Params",
+      "dims : 512",
+      "dropout.keep_prob : 0.9",
+      "layers[0].width : 10",
+      "layers[1].width : 20",
+      "none : None",
+      "shape : (2, 3)",
+      "table : {'a': 1}",
+  ]
+  assert str(p) == text
+  q = _params().Set(dims=1, activation="x", shape=(1,), cls=None)
+  q.dropout.keep_prob = 0.0
+  q.layers[1].width = 0
+  assert q.FromText(text) is q
+  assert q == p
+
+
+def test_undefined_names_raise_with_close_matches():
+  p = _params()
+  with pytest.raises(AttributeError, match="'dimz' is not defined.*dims"):
+    p.dimz = 3
+  with pytest.raises(AttributeError, match="'keep' is not defined.*keep_prob"):
+    p.dropout.Get("keep")
+  with pytest.raises(AttributeError, match="activaton.*activation"):
+    p.Set(dims=3, activaton="relu")
+  assert p.dims == 512  # Set checks every name before changing any.
+  with pytest.raises(AttributeError, match="already defined"):
+    p.Define("dims", 1, "Again.")
+  with pytest.raises(ValueError, match="not a valid parameter name"):
+    p.Define("Bad-Name", 1, "No.")
+
+
+def test_from_text_errors_change_nothing():
+  p = _params()
+  with pytest.raises(AttributeError, match="dimz.*dims"):
+    p.FromText("dims : 3\ndimz : 4\n")
+  with pytest.raises(ValueError, match="cannot parse the value of activation"):
+    p.FromText("dims : 3\nactivation : relu\n")
+  with pytest.raises(ValueError, match="expected 'name : value'"):
+    p.FromText("dims = 3\n")
+  assert p.dims == 512
+
+
+def test_instantiable_params():
+
+  class Thing:
+
+    def __init__(self, params):
+      self.size = params.size
+
+  p = hyperparams.InstantiableParams(Thing)
+  p.Define("size", 3, "Size.")
+  assert hyperparams.IsInstantiable(p)
+  assert not hyperparams.IsInstantiable(hyperparams.Params())
+  assert p.Set(size=7).Instantiate().size == 7
+  with pytest.raises(ValueError, match="no cls"):
+    hyperparams.InstantiableParams().Instantiate()

@@ -1,0 +1,140 @@
+"""A Lingvo-style builder: layer stacks described by Params.
+
+  class MyBuilder(tfremat.builder.Base):
+
+    def _Block(self, name, dims):
+      return self._Seq(name,
+                       self._LN("ln", dims),
+                       self._Linear("proj", dims, dims),
+                       self._Dropout("drop", 0.9))
+
+  b = MyBuilder.Params().Set(deterministic_dropout=True).Instantiate()
+  p = b._Rematerialize("block0", b._Block("body", 256))
+  layer = p.Instantiate()            # a Keras layer
+  y = layer(x, training=True)
+
+Every helper returns Params, and `Instantiate()` turns them into a Keras layer
+usable in any Keras model. Wrapping a sub-stack in `_Rematerialize` changes
+what is kept for the backward pass, not the layer's weights, outputs or
+gradients.
+"""
+
+import math
+
+from tfremat import builder_layers
+from tfremat import hyperparams
+from tfremat.layers import RematerializationLayer
+
+
+class Base:
+  """Builds Params for layer stacks; subclass it to add model helpers."""
+
+  @classmethod
+  def Params(cls):
+    p = hyperparams.InstantiableParams(cls)
+    p.Define("deterministic_dropout", False,
+             "Dropout from step seeds (tfremat.DeterministicDropout) instead "
+             "of keras.layers.Dropout.")
+    p.Define("fprop_dtype", None,
+             "Dtype or Keras dtype policy of the basic layers; None: global.")
+    p.Define("random_seed", None,
+             "Seed of dropout layers (Keras) or added to their step seeds.")
+    return p
+
+  def __init__(self, params):
+    self.params = params.Copy()
+
+  def _Layer(self, cls, name, **kwargs):
+    p = cls.Params().Set(name=name, **kwargs)
+    if "fprop_dtype" in p:
+      p.fprop_dtype = self.params.fprop_dtype
+    return p
+
+  def _Seq(self, name, *subs):
+    """Connects sub-layers sequentially."""
+    return self._Layer(builder_layers.SequentialLayer, name, sub=list(subs))
+
+  def _Rep(self, name, repeat, *subs):
+    """Applies `repeat` copies of _Seq(*subs), each with its own weights."""
+    return self._Layer(builder_layers.RepeatLayer, name, repeat=repeat,
+                       body=self._Seq(name, *subs))
+
+  def _Par(self, name, *subs):
+    """Applies sub-layers to the same inputs; sums their outputs."""
+    return self._Layer(builder_layers.ParallelLayer, name, sub=list(subs))
+
+  def _Fn(self, name, fn):
+    """Applies `fn(*inputs)`, a function without weights."""
+    return self._Layer(builder_layers.FnLayer, name, fn=fn)
+
+  def _Id(self, name):
+    """Returns its inputs."""
+    return self._Layer(builder_layers.IdentityLayer, name)
+
+  def _Arg(self, name, index):
+    """Returns the input at `index`."""
+    return self._Layer(builder_layers.ArgIndexLayer, name, index=index)
+
+  def _Rematerialize(self, name, body):
+    """Recomputes `body`'s activations in the backward pass."""
+    return RematerializationLayer.Params().Set(name=name, body=body)
+
+  def _RematerializeSeq(self, name, segments, *subs):
+    """_Seq(*subs) split into `segments` consecutive rematerialized segments.
+
+    Args:
+      name: the stack's name.
+      segments: an int, or "sqrt" for round(sqrt(len(subs))) segments (Chen
+        et al. 2016): activations are kept only at segment boundaries.
+      *subs: the sub-layers' Params.
+    """
+    count = _NumSegments(segments, len(subs))
+    bounds = [round(i * len(subs) / count) for i in range(count + 1)]
+    return self._Seq(name, *[
+        self._Rematerialize(f"{name}_remat{i}",
+                            self._Seq(f"{name}_seg{i}", *subs[lo:hi]))
+        for i, (lo, hi) in enumerate(zip(bounds, bounds[1:]))])
+
+  def _Linear(self, name, idims, odims):
+    """x @ w, a weight matrix and no bias."""
+    return self._Layer(builder_layers.LinearLayer, name, input_dims=idims,
+                       output_dims=odims)
+
+  def _Bias(self, name, dims):
+    """x + b."""
+    return self._Layer(builder_layers.BiasLayer, name, dims=dims)
+
+  def _LN(self, name, dims):
+    """Layer normalization over the last dimension."""
+    return self._Layer(builder_layers.LayerNorm, name, input_dims=dims)
+
+  def _Dropout(self, name, keep_prob):
+    """Dropout keeping `keep_prob`: step-seeded or Keras, per the params."""
+    cls = (builder_layers.DeterministicDropoutLayer
+           if self.params.deterministic_dropout else
+           builder_layers.KerasDropoutLayer)
+    return self._Layer(cls, name, keep_prob=keep_prob,
+                       random_seed=self.params.random_seed)
+
+  def _Embedding(self, name, vocab, dims):
+    """Looks up integer ids in a (vocab, dims) table."""
+    return self._Layer(builder_layers.EmbeddingLayer, name, vocab_size=vocab,
+                       embedding_dims=dims)
+
+  def _MultiHeadAttention(self, name, dims, heads, keep_prob=1.0,
+                          causal=True):
+    """Self-attention over (batch, time, dims), keras.layers.MultiHeadAttention."""
+    return self._Layer(builder_layers.MultiHeadAttentionLayer, name,
+                       input_dims=dims, num_heads=heads, keep_prob=keep_prob,
+                       causal=causal, random_seed=self.params.random_seed)
+
+
+def _NumSegments(segments, num_layers):
+  if segments == "sqrt":
+    return max(1, round(math.sqrt(num_layers)))
+  if not isinstance(segments, int) or isinstance(segments, bool) or not (
+      1 <= segments <= max(1, num_layers)):
+    raise ValueError(
+        f"segments must be an int from 1 to the number of layers "
+        f"({num_layers}) or \"sqrt\"; got {segments!r}.")
+  return segments

@@ -1,0 +1,212 @@
+"""Lingvo-style hierarchical hyperparameters.
+
+  p = Params()
+  p.Define("dims", 512, "Model width.")
+  p.Define("dropout", Params(), "Dropout settings.")
+  p.dropout.Define("keep_prob", 0.9, "Probability to keep an activation.")
+  p.Set(dims=1024)
+  print(p)            # dims : 1024
+                      # dropout.keep_prob : 0.9
+
+Every knob is defined once with a default and a one-line description, so the
+text form of a model's params is a complete, reviewable description of it, and
+`FromText` sets the values back from that text.
+"""
+
+import ast
+import copy
+import difflib
+import importlib
+import re
+
+
+class _Param:
+  """One defined parameter: its name, value and description."""
+
+  def __init__(self, name, default, description):
+    self.name = name
+    self.value = default
+    self.description = description
+
+
+def _IsParamsList(value):
+  return (isinstance(value, (list, tuple)) and value and
+          all(isinstance(v, Params) for v in value))
+
+
+def _ValueToText(value):
+  if isinstance(value, type):
+    return f"type/{value.__module__}/{value.__qualname__}"
+  if callable(value) and hasattr(value, "__qualname__"):
+    return f"callable/{value.__module__}/{value.__qualname__}"
+  return repr(value)
+
+
+def _TextToValue(text, key):
+  match = re.fullmatch(r"(type|callable)/([\w.]+)/([\w.<>]+)", text)
+  if match:
+    obj = importlib.import_module(match.group(2))
+    for part in match.group(3).split("."):
+      if part == "<locals>":
+        raise ValueError(
+            f"FromText: {key} names a local {match.group(1)} ({text}), "
+            "which cannot be looked up again; define it at module level.")
+      obj = getattr(obj, part)
+    return obj
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError) as e:
+    raise ValueError(
+        f"FromText: cannot parse the value of {key}: {text!r}. Values are "
+        "Python literals, type/module/Name or callable/module/name.") from e
+
+
+class Params:
+  """A set of named, documented hyperparameters; values may be Params too."""
+
+  def __init__(self):
+    object.__setattr__(self, "_params", {})
+
+  def Define(self, name, default_value, description):
+    """Defines a parameter `name` with a default value and a description."""
+    if not isinstance(name, str) or not re.fullmatch(r"[a-z_][a-z0-9_]*",
+                                                      name):
+      raise ValueError(
+          f"Params.Define: {name!r} is not a valid parameter name; use "
+          "lower_case_with_underscores.")
+    if name in self._params:
+      raise AttributeError(f"Params.Define: {name!r} is already defined.")
+    self._params[name] = _Param(name, default_value, description)
+
+  def _Lookup(self, name):
+    try:
+      return self._params[name]
+    except KeyError:
+      close = difflib.get_close_matches(name, list(self._params), n=3)
+      hint = (f" Did you mean: {', '.join(close)}?" if close else
+              f" Defined: {', '.join(sorted(self._params)) or 'none'}.")
+      raise AttributeError(
+          f"{name!r} is not defined in these Params.{hint}") from None
+
+  def __getattr__(self, name):
+    if name.startswith("__"):
+      raise AttributeError(name)
+    return self._Lookup(name).value
+
+  def __setattr__(self, name, value):
+    self._Lookup(name).value = value
+
+  def __contains__(self, name):
+    return name in self._params
+
+  def __iter__(self):
+    return iter(sorted(self._params))
+
+  def __eq__(self, other):
+    return isinstance(other, Params) and self._Items() == other._Items()
+
+  def _Items(self):
+    return {k: p.value for k, p in self._params.items()}
+
+  def Get(self, name):
+    """The value of `name`; dotted names reach into nested Params."""
+    head, _, rest = name.partition(".")
+    value = self._Lookup(head).value
+    return value.Get(rest) if rest else value
+
+  def Set(self, **kwargs):
+    """Sets the given parameters; returns self, so calls chain."""
+    for name in kwargs:
+      self._Lookup(name)  # Check every name before changing anything.
+    for name, value in kwargs.items():
+      self._params[name].value = value
+    return self
+
+  def Copy(self):
+    """A deep copy: nested Params and lists are copied; classes are not."""
+    return copy.deepcopy(self)
+
+  def __deepcopy__(self, memo):
+    new = type(self).__new__(type(self))
+    object.__setattr__(new, "_params", {})
+    for name, p in self._params.items():
+      value = p.value
+      if not callable(value):  # Classes and functions are shared, not copied.
+        value = copy.deepcopy(value, memo)
+      new._params[name] = _Param(name, value, p.description)
+    return new
+
+  def _TextLines(self, prefix):
+    lines = []
+    for name in sorted(self._params):
+      value = self._params[name].value
+      key = prefix + name
+      if isinstance(value, Params):
+        lines += value._TextLines(key + ".")
+      elif _IsParamsList(value):
+        for i, item in enumerate(value):
+          lines += item._TextLines(f"{key}[{i}].")
+      else:
+        lines.append(f"{key} : {_ValueToText(value)}")
+    return lines
+
+  def ToText(self):
+    """One `dotted.name : value` line per parameter, sorted."""
+    return "\n".join(self._TextLines("")) + "\n"
+
+  def __str__(self):
+    return self.ToText()
+
+  def __repr__(self):
+    return f"Params({self._Items()!r})"
+
+  def _Resolve(self, key):
+    """The Params holding dotted `key`, and the last name in it."""
+    node, parts = self, key.split(".")
+    for part in parts[:-1]:
+      match = re.fullmatch(r"(\w+)\[(\d+)\]", part)
+      if match:
+        node = node._Lookup(match.group(1)).value[int(match.group(2))]
+      else:
+        node = node._Lookup(part).value
+      if not isinstance(node, Params):
+        raise AttributeError(f"FromText: {key}: {part} is not a Params.")
+    return node, parts[-1]
+
+  def FromText(self, text):
+    """Sets values from `ToText` output (the structure must already exist)."""
+    updates = []
+    for number, line in enumerate(text.splitlines(), 1):
+      line = line.strip()
+      if not line or line.startswith("#"):
+        continue
+      key, sep, value = line.partition(" : ")
+      if not sep:
+        raise ValueError(
+            f"FromText line {number}: expected 'name : value', got {line!r}.")
+      node, name = self._Resolve(key.strip())
+      node._Lookup(name)
+      updates.append((node, name, _TextToValue(value.strip(), key)))
+    for node, name, value in updates:  # All lines parse before any is set.
+      node._params[name].value = value
+    return self
+
+
+class InstantiableParams(Params):
+  """Params for a class: `Instantiate()` builds the object they describe."""
+
+  def __init__(self, cls=None):
+    super().__init__()
+    self.Define("cls", cls, "The class that these params instantiate.")
+    self.Define("name", None, "Name of the instantiated object.")
+
+  def Instantiate(self):
+    """`cls.FromParams(self)` when the class defines it, else `cls(self)`."""
+    if self.cls is None:
+      raise ValueError("Instantiate: these params have no cls set.")
+    factory = getattr(self.cls, "FromParams", None)
+    return factory(self) if factory is not None else self.cls(self)
+
+
+def IsInstantiable(params):
+  return isinstance(params, InstantiableParams)
