@@ -19,6 +19,7 @@ setuptools.setup(
     ],
     extras_require={
         "test": ["pytest"],
+        "bench": ["matplotlib"],
     },
     license="Apache-2.0",
 )

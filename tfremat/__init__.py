@@ -2,7 +2,10 @@
 
 from tfremat import builder
 from tfremat import hyperparams
+from tfremat import planner
 from tfremat.layers import RematerializationLayer
+from tfremat.layers import RematSequential
+from tfremat.layers import remat_sequential
 from tfremat.remat import RematerializeFn
 from tfremat.remat import rematerialize
 from tfremat.state import UnreplayableOpError

@@ -3,6 +3,8 @@
   python -m tfremat.bench                      # residual MLP, tf.function
   python -m tfremat.bench --jit                # tf.function(jit_compile=True)
   python -m tfremat.bench --model transformer  # causal transformer LM
+  python -m tfremat.bench --budget-fraction 0.5  # the planner at 50% peak
+  python -m tfremat.bench --sweep --csv sweep.csv --plot sweep.png
 
 Each method runs in its own process (allocator statistics and XLA caches are
 per process) on the same model, weights, batch and dropout seeds:
@@ -18,6 +20,11 @@ allocated just before it (weights and the batch are not counted; activations,
 temporaries and gradients are). Step time is the median over --steps calls.
 The gradient error is the largest absolute difference from the `none`
 method's gradients, with dropout active.
+
+--budget-fraction and --sweep compare ways of choosing what to
+rematerialize, on the model's blocks as a chain (`tfremat.RematSequential`),
+in one process: uniform schemes (every block, every 2nd or 4th block, about
+sqrt(n) segments) and the planner at fractions of the measured no-remat peak.
 """
 
 import json
@@ -59,6 +66,17 @@ def define_flags():
   flags.DEFINE_float("dropout", 0.1, "Dropout rate inside every block.")
   flags.DEFINE_integer("steps", 10, "Timed steps per method.")
   flags.DEFINE_list("methods", list(METHODS), "Methods to run.")
+  flags.DEFINE_float("budget_fraction", None,
+                     "Run the planner at this fraction of the measured "
+                     "no-remat peak, beside rematerializing nothing and "
+                     "every block.")
+  flags.DEFINE_bool("sweep", False,
+                    "Run every uniform scheme and the planner at 30%, 50%, "
+                    "80% and 100% of the no-remat peak.")
+  flags.DEFINE_string("csv", "sweep.csv", "Where --sweep writes its CSV.")
+  flags.DEFINE_string("plot", "sweep.png",
+                      "Where --sweep draws its plot (needs matplotlib: "
+                      "pip install .[bench]).")
   flags.DEFINE_string("worker", None, "Internal: run one method, write JSON.")
   flags.DEFINE_string("out", None, "Internal: the worker's output path.")
 
@@ -140,6 +158,150 @@ def make_step(model, method, jit, sizes, dropout):
       [sizes["batch"], sizes["seq_len"]], seed=[1, 2], maxval=sizes["vocab"],
       dtype=tf.int32)
   return transformer_step(parts, method, jit), tokens
+
+
+def chain_and_batch(model, sizes, dropout):
+  """The model's blocks as a chain of layers, and the chain's input batch."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfremat import models  # pylint: disable=g-import-not-at-top
+  if model == "mlp":
+    blocks = models.residual_mlp(sizes["blocks"], sizes["width"], dropout,
+                                 residual_inside=True)
+    return blocks, tf.random.stateless_normal(
+        [sizes["batch"], sizes["width"]], seed=[1, 2])
+  embed, blocks, _ = models.transformer_parts(
+      sizes["vocab"], sizes["seq_len"], sizes["width"], sizes["heads"],
+      sizes["blocks"], dropout)
+  return blocks, embed(tf.random.stateless_uniform(
+      [sizes["batch"], sizes["seq_len"]], seed=[1, 2], maxval=sizes["vocab"],
+      dtype=tf.int32))
+
+
+def uniform_schemes(num_blocks):
+  """The classic choices: name -> segments."""
+  from tfremat import planner  # pylint: disable=g-import-not-at-top
+  Segment = planner.Segment  # pylint: disable=invalid-name
+  schemes = {"none": [Segment(i, i + 1, False) for i in range(num_blocks)]}
+  for k in (1, 2, 4):
+    if k <= num_blocks:
+      name = "every block" if k == 1 else f"every {k}th block".replace(
+          "2th", "2nd")
+      schemes[name] = [Segment(i, i + 1, i % k == 0)
+                       for i in range(num_blocks)]
+  schemes["sqrt segments"] = planner.uniform_segments(num_blocks, "sqrt")
+  return schemes
+
+
+def _schemes_and_plans(fractions, progress):
+  """Measures uniform schemes and planner choices; returns result rows."""
+  import tfremat  # pylint: disable=g-import-not-at-top
+  from tfremat import planner  # pylint: disable=g-import-not-at-top
+  blocks, x = chain_and_batch(FLAGS.model, _sizes(), FLAGS.dropout)
+  rows = []
+
+  def run(name, kind, segments, fraction=None):
+    layer = tfremat.RematSequential(blocks, segments)
+    step = planner.training_step(layer, jit=FLAGS.jit)
+    step(x)
+    peak = peak_step_bytes(step, x)
+    step(x)  # One more untimed step: the first timed one ran slow here.
+    times = []
+    for _ in range(FLAGS.steps):
+      start = time.perf_counter()
+      np.asarray(step(x)[0])
+      times.append(time.perf_counter() - start)
+    rows.append({"scheme": name, "kind": kind, "budget_fraction": fraction,
+                 "peak_bytes": int(peak),
+                 "step_seconds": float(np.median(times)),
+                 "rematerialized": sum(s.stop - s.start for s in segments
+                                       if s.remat)})
+    progress.add(1)
+
+  schemes = uniform_schemes(len(blocks))
+  if not FLAGS.sweep:
+    schemes = {k: schemes[k] for k in ("none", "every block")}
+  for name, segments in schemes.items():
+    run(name, "uniform", segments)
+  full = rows[0]["peak_bytes"]
+  costs = planner.measure_chain(blocks, x)
+  for fraction in fractions:
+    try:
+      chosen = tfremat.layers.checked_plan(blocks, int(fraction * full), x,
+                                           costs=costs)
+    except ValueError as e:
+      print(f"\nplanner at {fraction:.0%}: {e}")
+      progress.add(1)
+      continue
+    print(f"\nplanner at {fraction:.0%} of {full / 2**20:.1f} MiB:\n{chosen}")
+    run(f"planner {fraction:.0%}", "planner", chosen.segments, fraction)
+  return rows
+
+
+def format_scheme_table(rows):
+  """Scheme rows as a table; ratios relative to the `none` row."""
+  base = next(r for r in rows if r["scheme"] == "none")
+  header = (f"{'scheme':<18}{'remat':>6}{'peak MiB':>10}{'x none':>8}"
+            f"{'step ms':>10}{'x none':>8}{'budget MiB':>12}{'fits':>6}")
+  lines = [header, "-" * len(header)]
+  for r in rows:
+    budget = ""
+    fits = ""
+    if r["budget_fraction"] is not None:
+      limit = r["budget_fraction"] * base["peak_bytes"]
+      budget = f"{limit / 2**20:.1f}"
+      fits = "yes" if r["peak_bytes"] <= 1.05 * limit else "NO"
+    lines.append(
+        f"{r['scheme']:<18}{r['rematerialized']:>6}"
+        f"{r['peak_bytes'] / 2**20:>10.1f}"
+        f"{r['peak_bytes'] / base['peak_bytes']:>8.2f}"
+        f"{1000 * r['step_seconds']:>10.1f}"
+        f"{r['step_seconds'] / base['step_seconds']:>8.2f}"
+        f"{budget:>12}{fits:>6}")
+  return "\n".join(lines)
+
+
+def write_csv(rows, path):
+  import csv  # pylint: disable=g-import-not-at-top
+  with open(path, "w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+
+
+def plot_pareto(rows, path, title):
+  """Peak memory vs step time, with the Pareto front; False without
+  matplotlib."""
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return False
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for kind, marker in (("uniform", "o"), ("planner", "s")):
+    part = [r for r in rows if r["kind"] == kind]
+    ax.scatter([r["peak_bytes"] / 2**20 for r in part],
+               [1000 * r["step_seconds"] for r in part], marker=marker,
+               label=kind)
+    for r in part:
+      ax.annotate(r["scheme"], (r["peak_bytes"] / 2**20,
+                                1000 * r["step_seconds"]),
+                  textcoords="offset points", xytext=(4, 4), fontsize=8)
+  front, best = [], float("inf")
+  for r in sorted(rows, key=lambda r: (r["peak_bytes"], r["step_seconds"])):
+    if r["step_seconds"] < best:
+      front.append(r)
+      best = r["step_seconds"]
+  ax.step([r["peak_bytes"] / 2**20 for r in front],
+          [1000 * r["step_seconds"] for r in front], where="post",
+          color="gray", linestyle="--", label="Pareto front")
+  ax.set_xlabel("peak memory of a training step (MiB)")
+  ax.set_ylabel("median step time (ms)")
+  ax.set_title(title)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  return True
 
 
 def peak_step_bytes(step, *args):
@@ -230,8 +392,26 @@ def main(argv):
   if unknown:
     raise app.UsageError(
         f"Unknown --methods {sorted(unknown)}; choose from {', '.join(METHODS)}.")
-  methods = [m for m in METHODS if m in FLAGS.methods]
   import keras  # pylint: disable=g-import-not-at-top
+  if FLAGS.sweep or FLAGS.budget_fraction is not None:
+    if FLAGS.budget_fraction is not None and not 0 < FLAGS.budget_fraction:
+      raise app.UsageError("--budget-fraction must be positive, e.g. 0.5.")
+    fractions = ([0.3, 0.5, 0.8, 1.0] if FLAGS.sweep else
+                 [FLAGS.budget_fraction])
+    schemes = len(uniform_schemes(_sizes()["blocks"])) if FLAGS.sweep else 2
+    progress = keras.utils.Progbar(schemes + len(fractions),
+                                   unit_name="scheme")
+    rows = _schemes_and_plans(fractions, progress)
+    title = (f"{FLAGS.model}, {'XLA' if FLAGS.jit else 'tf.function'}: "
+             "memory vs time")
+    print(format_scheme_table(rows))
+    if FLAGS.sweep:
+      write_csv(rows, FLAGS.csv)
+      drawn = plot_pareto(rows, FLAGS.plot, title)
+      print(f"wrote {FLAGS.csv}" + (f" and {FLAGS.plot}" if drawn else
+                                    " (no plot: pip install .[bench])"))
+    return
+  methods = [m for m in METHODS if m in FLAGS.methods]
   progress = keras.utils.Progbar(len(methods), unit_name="method")
   sizes = ", ".join(f"{k} {v}" for k, v in _sizes().items())
   print(f"{FLAGS.model}: {sizes}, dropout {FLAGS.dropout}, "

@@ -19,11 +19,11 @@ what is kept for the backward pass, not the layer's weights, outputs or
 gradients.
 """
 
-import math
-
 from tfremat import builder_layers
 from tfremat import hyperparams
+from tfremat import planner
 from tfremat.layers import RematerializationLayer
+from tfremat.layers import checked_plan
 
 
 class Base:
@@ -79,21 +79,35 @@ class Base:
     """Recomputes `body`'s activations in the backward pass."""
     return RematerializationLayer.Params().Set(name=name, body=body)
 
-  def _RematerializeSeq(self, name, segments, *subs):
-    """_Seq(*subs) split into `segments` consecutive rematerialized segments.
+  def _RematerializeSeq(self, name, segments, *subs, budget_bytes=None,
+                        sample_input=None):
+    """_Seq(*subs), split into segments that are rematerialized or kept.
 
     Args:
       name: the stack's name.
-      segments: an int, or "sqrt" for round(sqrt(len(subs))) segments (Chen
-        et al. 2016): activations are kept only at segment boundaries.
+      segments: an int, or "sqrt" for about sqrt(len(subs)) equal segments
+        (Chen et al. 2016), all rematerialized; None with `budget_bytes`.
       *subs: the sub-layers' Params.
+      budget_bytes: instead of `segments`: instantiate the sub-layers, measure
+        them on `sample_input` and keep the planner's choice
+        (`tfremat.planner.plan`), the fastest that fits the budget.
+      sample_input: a batch to measure on, with `budget_bytes`.
     """
-    count = _NumSegments(segments, len(subs))
-    bounds = [round(i * len(subs) / count) for i in range(count + 1)]
-    return self._Seq(name, *[
-        self._Rematerialize(f"{name}_remat{i}",
-                            self._Seq(f"{name}_seg{i}", *subs[lo:hi]))
-        for i, (lo, hi) in enumerate(zip(bounds, bounds[1:]))])
+    if (segments is None) == (budget_bytes is None):
+      raise ValueError(
+          "_RematerializeSeq: give either segments (an int or \"sqrt\") or "
+          "budget_bytes with sample_input, not both or neither.")
+    if segments is not None:
+      chosen = planner.uniform_segments(len(subs), segments)
+    else:
+      chosen = checked_plan([p.Instantiate() for p in subs], budget_bytes,
+                            sample_input).segments
+    parts = []
+    for i, seg in enumerate(chosen):
+      seq = self._Seq(f"{name}_seg{i}", *subs[seg.start:seg.stop])
+      parts.append(self._Rematerialize(f"{name}_remat{i}", seq)
+                   if seg.remat else seq)
+    return self._Seq(name, *parts)
 
   def _Linear(self, name, idims, odims):
     """x @ w, a weight matrix and no bias."""
@@ -128,13 +142,3 @@ class Base:
                        input_dims=dims, num_heads=heads, keep_prob=keep_prob,
                        causal=causal, random_seed=self.params.random_seed)
 
-
-def _NumSegments(segments, num_layers):
-  if segments == "sqrt":
-    return max(1, round(math.sqrt(num_layers)))
-  if not isinstance(segments, int) or isinstance(segments, bool) or not (
-      1 <= segments <= max(1, num_layers)):
-    raise ValueError(
-        f"segments must be an int from 1 to the number of layers "
-        f"({num_layers}) or \"sqrt\"; got {segments!r}.")
-  return segments

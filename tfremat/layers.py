@@ -13,6 +13,7 @@ import keras
 import tensorflow as tf
 
 from tfremat import hyperparams
+from tfremat import planner
 from tfremat import remat
 
 
@@ -130,3 +131,150 @@ class RematerializationLayer(keras.layers.Wrapper):
 
   def compute_mask(self, inputs, mask=None):
     return self.layer.compute_mask(inputs, mask)
+
+
+@keras.saving.register_keras_serializable(package="tfremat")
+class RematSequential(keras.layers.Layer):
+  """Runs a chain of layers, rematerializing the chosen segments.
+
+  Made by `tfremat.remat_sequential`. Each rematerialized segment runs as a
+  `RematerializationLayer` around a `keras.Sequential` of its layers; kept
+  segments run their layers directly.
+
+  Args:
+    layers: the chain's Keras layers, each taking the previous one's output.
+    segments: `(start, stop, remat)` triples covering the chain in order.
+  """
+
+  def __init__(self, layers, segments, **kwargs):
+    layers = list(layers)
+    bad = [l for l in layers if not isinstance(l, keras.layers.Layer)]
+    if not layers or bad:
+      raise TypeError(
+          "RematSequential needs a non-empty list of Keras layers; got "
+          f"{[type(l).__name__ for l in bad] or 'an empty list'}.")
+    segments = [s if isinstance(s, planner.Segment) else planner.Segment(*s)
+                for s in segments]
+    planner.check_segments(segments, len(layers))
+    super().__init__(**kwargs)
+    self.chain = layers
+    self.segments = segments
+    self.steps = []
+    for seg in segments:
+      part = layers[seg.start:seg.stop]
+      self.steps += ([RematerializationLayer(keras.Sequential(part))]
+                     if seg.remat else part)
+
+  def build(self, input_shape=None):
+    del input_shape  # Each layer builds itself on its first call.
+    self.built = True
+
+  def call(self, x, training=None):
+    for step in self.steps:
+      x = step(x, training=training)
+    return x
+
+  def compute_output_spec(self, x, training=None):
+    for step in self.steps:
+      x = step(x, training=training)
+    return x
+
+  def get_config(self):
+    return {
+        **super().get_config(),
+        "layers": [keras.saving.serialize_keras_object(l) for l in self.chain],
+        "segments": [[s.start, s.stop, s.remat] for s in self.segments],
+    }
+
+  @classmethod
+  def from_config(cls, config, custom_objects=None):
+    config = dict(config)
+    layers = [keras.saving.deserialize_keras_object(
+        l, custom_objects=custom_objects) for l in config.pop("layers")]
+    return cls(layers, **config)
+
+
+def remat_sequential(layers, segments=None, budget_bytes=None,
+                     sample_input=None):
+  """A Keras layer running `layers` in order, with chosen rematerialization.
+
+  Args:
+    layers: Keras layers, each taking the previous one's output.
+    segments: an int, or "sqrt" for about sqrt(len(layers)) equal segments,
+      every one rematerialized (Chen et al. 2016).
+    budget_bytes: instead of `segments`: measure the chain on
+      `sample_input` and rematerialize what the planner picks, the fastest
+      choice whose predicted training-step peak fits the budget.
+    sample_input: a batch like the ones the chain will train on.
+
+  Returns:
+    A `RematSequential` layer; `.plan` holds the planner's Plan when a budget
+    was given.
+  """
+  if (segments is None) == (budget_bytes is None):
+    raise ValueError(
+        "remat_sequential: give either segments (an int or \"sqrt\") or "
+        "budget_bytes with sample_input, not both or neither.")
+  if budget_bytes is not None and sample_input is None:
+    raise ValueError(
+        "remat_sequential: budget_bytes needs sample_input, a batch to "
+        "measure the layers on.")
+  layers = list(layers)
+  if segments is not None:
+    result = RematSequential(layers,
+                             planner.uniform_segments(len(layers), segments))
+    result.plan = None
+    return result
+  chosen = checked_plan(layers, budget_bytes, sample_input)
+  result = RematSequential(layers, chosen.segments)
+  result.plan = chosen
+  return result
+
+
+def checked_plan(layers, budget_bytes, sample_input, rounds=4, costs=None):
+  """The planner's plan for `layers`, checked against a measurement.
+
+  The cost model predicts peaks within about 10% on the benchmark models, in
+  both directions. So keeping everything is measured first and chosen if it
+  fits (within `planner.MEASUREMENT_SLACK`, the trace-to-trace variation of a
+  peak); otherwise the plan is built, its training step is measured on
+  `sample_input`, and while the measured peak exceeds the budget, the plan is
+  made again for a proportionally smaller target. The returned Plan carries
+  `measured_peak_bytes`.
+
+  Args:
+    layers: the chain.
+    budget_bytes: the budget for a training step's peak.
+    sample_input: the batch to measure on.
+    rounds: how many plans to try.
+    costs: `planner.measure_chain(layers, sample_input)`, if already known.
+
+  Raises:
+    ValueError: no plan fits (the message gives the smallest budget that the
+      model predicts to fit), or none measured within the budget.
+  """
+  if costs is None:
+    costs = planner.measure_chain(layers, sample_input)
+  # Keeping everything is the fastest plan; use it whenever it really fits,
+  # whatever the model predicts.
+  keep = planner.Plan(costs, [planner.Segment(i, i + 1, False)
+                              for i in range(len(layers))], budget_bytes)
+  keep.measured_peak_bytes = planner.measure_peak(
+      RematSequential(layers, keep.segments), sample_input)
+  limit = budget_bytes * planner.MEASUREMENT_SLACK
+  if keep.measured_peak_bytes <= limit:
+    return keep
+  target = budget_bytes
+  for _ in range(rounds):
+    chosen = planner.plan(costs, target)
+    chosen.budget_bytes = budget_bytes
+    chosen.measured_peak_bytes = planner.measure_peak(
+        RematSequential(layers, chosen.segments), sample_input)
+    # The plan itself must fit; the slack is left for measuring it again.
+    if chosen.measured_peak_bytes <= budget_bytes:
+      return chosen
+    target = int(target * budget_bytes / chosen.measured_peak_bytes) - 1
+  raise ValueError(
+      f"No plan measured within {budget_bytes / 2**20:.1f} MiB after "
+      f"{rounds} rounds (last: {chosen.measured_peak_bytes / 2**20:.1f} MiB). "
+      "Raise the budget.")

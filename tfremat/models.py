@@ -10,8 +10,13 @@ import keras
 from tfremat.layers import RematerializationLayer
 
 
-def residual_mlp(blocks, width, dropout, seed=0):
-  """`blocks` blocks h -> Dense(4w, relu) -> Dropout -> Dense(w) (add h outside)."""
+def residual_mlp(blocks, width, dropout, seed=0, residual_inside=False):
+  """`blocks` blocks h -> Dense(4w, relu) -> Dropout -> Dense(w).
+
+  The residual `h + block(h)` is added by the caller, or, with
+  `residual_inside`, by each block (a functional model), so that the blocks
+  form a chain of layers each taking the previous one's output.
+  """
   keras.utils.set_random_seed(seed)
   model = []
   for i in range(blocks):
@@ -21,6 +26,9 @@ def residual_mlp(blocks, width, dropout, seed=0):
         keras.layers.Dense(width),
     ], name=f"mlp_block{i}")
     block.build((None, width))
+    if residual_inside:
+      x = keras.Input((width,))
+      block = keras.Model(x, x + block(x), name=f"residual_block{i}")
     model.append(block)
   return model
 
