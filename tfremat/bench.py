@@ -197,24 +197,18 @@ def _schemes_and_plans(fractions, progress):
   import tfremat  # pylint: disable=g-import-not-at-top
   from tfremat import planner  # pylint: disable=g-import-not-at-top
   blocks, x = chain_and_batch(FLAGS.model, _sizes(), FLAGS.dropout)
-  rows = []
+  rows, steps = [], []
 
   def run(name, kind, segments, fraction=None):
     layer = tfremat.RematSequential(blocks, segments)
     step = planner.training_step(layer, jit=FLAGS.jit)
     step(x)
-    peak = peak_step_bytes(step, x)
-    step(x)  # One more untimed step: the first timed one ran slow here.
-    times = []
-    for _ in range(FLAGS.steps):
-      start = time.perf_counter()
-      np.asarray(step(x)[0])
-      times.append(time.perf_counter() - start)
     rows.append({"scheme": name, "kind": kind, "budget_fraction": fraction,
-                 "peak_bytes": int(peak),
-                 "step_seconds": float(np.median(times)),
+                 "peak_bytes": int(peak_step_bytes(step, x)),
+                 "step_seconds": None,
                  "rematerialized": sum(s.stop - s.start for s in segments
                                        if s.remat)})
+    steps.append(step)
     progress.add(1)
 
   schemes = uniform_schemes(len(blocks))
@@ -234,7 +228,23 @@ def _schemes_and_plans(fractions, progress):
       continue
     print(f"\nplanner at {fraction:.0%} of {full / 2**20:.1f} MiB:\n{chosen}")
     run(f"planner {fraction:.0%}", "planner", chosen.segments, fraction)
+  # Timed round-robin, one step of every scheme per round: drift in the
+  # machine's speed then touches all schemes alike (timed one scheme after
+  # another, two schemes doing the same work differed by 6%).
+  times = [[] for _ in steps]
+  for _ in range(FLAGS.steps):
+    for step, samples in zip(steps, times):
+      start = time.perf_counter()
+      np.asarray(step(x)[0])
+      samples.append(time.perf_counter() - start)
+  for row, samples in zip(rows, times):
+    row["step_seconds"] = float(np.median(samples))
   return rows
+
+
+def _ratio(value, base):
+  """value / base; nan when a tiny run's base measured 0."""
+  return value / base if base else float("nan")
 
 
 def format_scheme_table(rows):
@@ -253,9 +263,9 @@ def format_scheme_table(rows):
     lines.append(
         f"{r['scheme']:<18}{r['rematerialized']:>6}"
         f"{r['peak_bytes'] / 2**20:>10.1f}"
-        f"{r['peak_bytes'] / base['peak_bytes']:>8.2f}"
+        f"{_ratio(r['peak_bytes'], base['peak_bytes']):>8.2f}"
         f"{1000 * r['step_seconds']:>10.1f}"
-        f"{r['step_seconds'] / base['step_seconds']:>8.2f}"
+        f"{_ratio(r['step_seconds'], base['step_seconds']):>8.2f}"
         f"{budget:>12}{fits:>6}")
   return "\n".join(lines)
 
@@ -373,8 +383,8 @@ def format_table(results):
       ratios, diff = ("", ""), ""
     else:
       base_ms = 1000 * float(np.median(base["step_seconds"]))
-      ratios = (f"{r['peak_bytes'] / base['peak_bytes']:.2f}",
-                f"{ms / base_ms:.2f}")
+      ratios = (f"{_ratio(r['peak_bytes'], base['peak_bytes']):.2f}",
+                f"{_ratio(ms, base_ms):.2f}")
       diff = max(float(np.abs(a - b).max())
                  for a, b in zip(r["grads"], base["grads"]))
       diff = f"{diff:.3g}"

@@ -239,7 +239,8 @@ def checked_plan(layers, budget_bytes, sample_input, rounds=4, costs=None):
   fits (within `planner.MEASUREMENT_SLACK`, the trace-to-trace variation of a
   peak); otherwise the plan is built, its training step is measured on
   `sample_input`, and while the measured peak exceeds the budget, the plan is
-  made again for a proportionally smaller target. The returned Plan carries
+  made again for a proportionally smaller target. If no plan measures within
+  the budget, the best one within the slack is returned. The returned Plan carries
   `measured_peak_bytes`.
 
   Args:
@@ -264,17 +265,25 @@ def checked_plan(layers, budget_bytes, sample_input, rounds=4, costs=None):
   limit = budget_bytes * planner.MEASUREMENT_SLACK
   if keep.measured_peak_bytes <= limit:
     return keep
-  target = budget_bytes
+  target, best = budget_bytes, None
   for _ in range(rounds):
-    chosen = planner.plan(costs, target)
+    try:
+      chosen = planner.plan(costs, target)
+    except ValueError:
+      if best is None:
+        raise  # Names the smallest budget the model finds feasible.
+      break  # The model has no smaller plan; keep the best measured one.
     chosen.budget_bytes = budget_bytes
     chosen.measured_peak_bytes = planner.measure_peak(
         RematSequential(layers, chosen.segments), sample_input)
-    # The plan itself must fit; the slack is left for measuring it again.
+    # The plan itself should fit; the slack is for measuring it again.
     if chosen.measured_peak_bytes <= budget_bytes:
       return chosen
+    if best is None or chosen.measured_peak_bytes < best.measured_peak_bytes:
+      best = chosen
     target = int(target * budget_bytes / chosen.measured_peak_bytes) - 1
+  if best.measured_peak_bytes <= limit:
+    return best
   raise ValueError(
-      f"No plan measured within {budget_bytes / 2**20:.1f} MiB after "
-      f"{rounds} rounds (last: {chosen.measured_peak_bytes / 2**20:.1f} MiB). "
-      "Raise the budget.")
+      f"No plan measured within {budget_bytes / 2**20:.1f} MiB (best: "
+      f"{best.measured_peak_bytes / 2**20:.1f} MiB). Raise the budget.")
