@@ -249,6 +249,7 @@ def _ratio(value, base):
 
 def format_scheme_table(rows):
   """Scheme rows as a table; ratios relative to the `none` row."""
+  from tfremat import planner  # pylint: disable=g-import-not-at-top
   base = next(r for r in rows if r["scheme"] == "none")
   header = (f"{'scheme':<18}{'remat':>6}{'peak MiB':>10}{'x none':>8}"
             f"{'step ms':>10}{'x none':>8}{'budget MiB':>12}{'fits':>6}")
@@ -259,7 +260,8 @@ def format_scheme_table(rows):
     if r["budget_fraction"] is not None:
       limit = r["budget_fraction"] * base["peak_bytes"]
       budget = f"{limit / 2**20:.1f}"
-      fits = "yes" if r["peak_bytes"] <= 1.05 * limit else "NO"
+      fits = ("yes" if r["peak_bytes"] <= planner.MEASUREMENT_SLACK * limit
+              else "NO")
     lines.append(
         f"{r['scheme']:<18}{r['rematerialized']:>6}"
         f"{r['peak_bytes'] / 2**20:>10.1f}"
