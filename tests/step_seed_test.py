@@ -1,5 +1,7 @@
 """Lingvo-style step seeds and DeterministicDropout."""
 
+import threading
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -39,6 +41,18 @@ def test_global_step_is_the_first_element():
   np.testing.assert_array_equal(tfremat.GenerateStepSeedPair().numpy(), [42, 1])
   with pytest.raises(TypeError, match="optimizer.iterations"):
     tfremat.SetGlobalStep(3)
+
+
+def test_global_step_is_seen_from_other_threads():
+  # tf.distribute replicas run in threads of their own.
+  step = tf.Variable(7, dtype=tf.int64)
+  tfremat.SetGlobalStep(step)
+  seen = []
+  thread = threading.Thread(
+      target=lambda: seen.append(int(tfremat.GetGlobalStep())))
+  thread.start()
+  thread.join()
+  assert seen == [7]
 
 
 def test_each_traced_function_starts_from_its_own_seed():

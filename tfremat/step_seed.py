@@ -55,7 +55,9 @@ def GetIncStepSeed():
   return seed
 
 
-_global_step = threading.local()
+# Process-wide, not per thread: tf.distribute runs replicas in threads of
+# their own, and they must all see the training step.
+_global_step = None
 
 
 def SetGlobalStep(step):
@@ -69,7 +71,8 @@ def SetGlobalStep(step):
     raise TypeError(
         "SetGlobalStep expects a scalar integer variable such as "
         f"optimizer.iterations, or None; got {step!r}.")
-  _global_step.value = step
+  global _global_step
+  _global_step = step
 
 
 def GetGlobalStep():
@@ -77,10 +80,9 @@ def GetGlobalStep():
   pinned = _state().get("global_step")
   if pinned is not None:
     return pinned
-  step = getattr(_global_step, "value", None)
-  if step is None:
+  if _global_step is None:
     return tf.constant(0, tf.int64)
-  return tf.cast(tf.convert_to_tensor(step), tf.int64)
+  return tf.cast(tf.convert_to_tensor(_global_step), tf.int64)
 
 
 def GenerateStepSeedPair(random_seed=None, op_seed=None):
