@@ -71,7 +71,7 @@ def test_impossible_budget_names_the_smallest_that_works():
 
 def test_full_budget_rematerializes_nothing_and_plan_prints():
   costs = _random_chain(np.random.default_rng(4), 5)
-  keep = [Segment(i, i + 1, False) for i in range(5)]
+  keep = planner.keep_all(5)
   chosen = planner.plan(costs, planner.predict(costs, keep)[0])
   assert chosen.rematerialized == [False] * 5
   assert chosen.seconds == pytest.approx(planner.predict(costs, keep)[1])
@@ -164,7 +164,7 @@ def _chain(name):
 @pytest.mark.parametrize("model", ["mlp", "transformer"])
 def test_budgets_hold_when_measured(model):
   blocks, x = _chain(model)
-  keep = [Segment(i, i + 1, False) for i in range(len(blocks))]
+  keep = planner.keep_all(len(blocks))
   full = planner.measure_peak(tfremat.RematSequential(blocks, keep), x)
   costs = planner.measure_chain(blocks, x)
   for fraction in (0.3, 0.5, 0.8):

@@ -154,10 +154,15 @@ def make_step(model, method, jit, sizes, dropout):
   parts = models.transformer_parts(
       sizes["vocab"], sizes["seq_len"] - 1, sizes["width"], sizes["heads"],
       sizes["blocks"], dropout)
-  tokens = tf.random.stateless_uniform(
+  return transformer_step(parts, method, jit), _tokens(sizes)
+
+
+def _tokens(sizes):
+  """The transformer's batch of token ids, the same in every process."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  return tf.random.stateless_uniform(
       [sizes["batch"], sizes["seq_len"]], seed=[1, 2], maxval=sizes["vocab"],
       dtype=tf.int32)
-  return transformer_step(parts, method, jit), tokens
 
 
 def chain_and_batch(model, sizes, dropout):
@@ -172,21 +177,17 @@ def chain_and_batch(model, sizes, dropout):
   embed, blocks, _ = models.transformer_parts(
       sizes["vocab"], sizes["seq_len"], sizes["width"], sizes["heads"],
       sizes["blocks"], dropout)
-  return blocks, embed(tf.random.stateless_uniform(
-      [sizes["batch"], sizes["seq_len"]], seed=[1, 2], maxval=sizes["vocab"],
-      dtype=tf.int32))
+  return blocks, embed(_tokens(sizes))
 
 
 def uniform_schemes(num_blocks):
   """The classic choices: name -> segments."""
   from tfremat import planner  # pylint: disable=g-import-not-at-top
-  Segment = planner.Segment  # pylint: disable=invalid-name
-  schemes = {"none": [Segment(i, i + 1, False) for i in range(num_blocks)]}
-  for k in (1, 2, 4):
+  schemes = {"none": planner.keep_all(num_blocks)}
+  for k, name in ((1, "every block"), (2, "every 2nd block"),
+                  (4, "every 4th block")):
     if k <= num_blocks:
-      name = "every block" if k == 1 else f"every {k}th block".replace(
-          "2th", "2nd")
-      schemes[name] = [Segment(i, i + 1, i % k == 0)
+      schemes[name] = [planner.Segment(i, i + 1, i % k == 0)
                        for i in range(num_blocks)]
   schemes["sqrt segments"] = planner.uniform_segments(num_blocks, "sqrt")
   return schemes
@@ -316,6 +317,13 @@ def plot_pareto(rows, path, title):
   return True
 
 
+def memory_device():
+  """The device whose allocator statistics measure a step: the first GPU if
+  there is one, else the CPU."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+
+
 def peak_step_bytes(step, *args):
   """Peak allocator bytes of one `step(*args)` call above the prior level.
 
@@ -323,7 +331,7 @@ def peak_step_bytes(step, *args):
   compilation are not measured.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  device = "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+  device = memory_device()
   tf.config.experimental.reset_memory_stats(device)
   baseline = tf.config.experimental.get_memory_info(device)["current"]
   result = step(*args)

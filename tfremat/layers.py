@@ -258,8 +258,7 @@ def checked_plan(layers, budget_bytes, sample_input, rounds=4, costs=None):
     costs = planner.measure_chain(layers, sample_input)
   # Keeping everything is the fastest plan; use it whenever it really fits,
   # whatever the model predicts.
-  keep = planner.Plan(costs, [planner.Segment(i, i + 1, False)
-                              for i in range(len(layers))], budget_bytes)
+  keep = planner.Plan(costs, planner.keep_all(len(layers)), budget_bytes)
   keep.measured_peak_bytes = planner.measure_peak(
       RematSequential(layers, keep.segments), sample_input)
   limit = budget_bytes * planner.MEASUREMENT_SLACK

@@ -96,8 +96,9 @@ def _peak_bytes(fn, x):
 
 
 def _current_bytes():
-  device = "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
-  return tf.config.experimental.get_memory_info(device)["current"]
+  from tfremat import bench  # pylint: disable=g-import-not-at-top
+  return tf.config.experimental.get_memory_info(
+      bench.memory_device())["current"]
 
 
 def training_step(layer, applications=1, jit=False):
@@ -317,7 +318,7 @@ class Plan:
     self.peak_bytes, self.seconds = predict(costs, segments)
     self.measured_peak_bytes = None  # Set by remat_sequential's check.
     self.baseline_peak_bytes, self.baseline_seconds = predict(
-        costs, [Segment(i, i + 1, False) for i in range(len(costs))])
+        costs, keep_all(len(costs)))
 
   @property
   def rematerialized(self):
@@ -363,6 +364,11 @@ def plan(costs, budget_bytes):
         f"for this chain is {need} bytes ({need / 2**20:.1f} MiB). Raise the "
         "budget, or shrink the batch or the layers.")
   return Plan(costs, segments, budget_bytes)
+
+
+def keep_all(num_layers):
+  """The plan that rematerializes nothing."""
+  return [Segment(i, i + 1, False) for i in range(num_layers)]
 
 
 def uniform_segments(num_layers, segments):
