@@ -20,7 +20,9 @@ def _load(name):
 
 def test_quickstart_trains_and_remat_matches_and_saves_memory():
   quickstart = _load("quickstart")
-  sizes = dict(steps=40, blocks=4, width=64, batch=512)
+  # Batch 4096: at 512 the peaks are a few MiB and the allocator's 0.5 MiB
+  # rounding alone moved the ratio from under 0.6 to 0.625.
+  sizes = dict(steps=40, blocks=4, width=64, batch=4096)
   plain_losses, plain_peak = quickstart.train(False, **sizes)
   remat_losses, remat_peak = quickstart.train(True, **sizes)
   assert remat_losses[-1] < 0.7 * remat_losses[0]
