@@ -98,6 +98,20 @@ def test_measure_layer_counts_bytes_exactly():
   assert y.shape == (512, 64)
 
 
+def test_training_step_loss_reads_the_output():
+  # With an incoming gradient built from the output's shape alone, TF prunes
+  # the forward ops the backward pass does not read (a rematerialized last
+  # segment's whole forward pass), and times and peaks come out too low.
+  keras.utils.set_random_seed(0)
+  dense = keras.layers.Dense(8)
+  x = tf.random.stateless_normal([4, 8], seed=[1, 3])
+  y = dense(x)
+  grads = planner.training_step(dense)(x)
+  # The loss is sum(y**2) / 2, so dL/dx = y W^T and dL/dW = x^T y.
+  assert_trees_close(grads[0], tf.matmul(y, dense.kernel, transpose_b=True))
+  assert_trees_close(grads[1], tf.matmul(x, y, transpose_a=True))
+
+
 @pytest.mark.parametrize("segments", [1, 2, "sqrt"])
 def test_remat_sequential_segments_match_plain(segments):
   blocks = models.residual_mlp(4, 16, dropout=0.3, residual_inside=True)

@@ -103,8 +103,14 @@ def _current_bytes():
 
 def training_step(layer, applications=1, jit=False):
   """A traced training step of a chain: forward and backward of `layer`
-  (applied `applications` times in a row) on a batch, with an output-sized
-  incoming gradient; returns the input and weight gradients."""
+  (applied `applications` times in a row) on a batch, for the loss
+  sum(y**2) / 2 of its output y; returns the input and weight gradients.
+
+  The loss must read y: with an incoming gradient that depends only on y's
+  shape (such as ones), TensorFlow prunes the forward ops whose values the
+  backward pass does not read, so a rematerialized last segment's forward
+  pass would cost nothing and every timing and peak would be too low.
+  """
   weights = layer.trainable_weights
 
   @tf.function(jit_compile=jit)
@@ -114,8 +120,9 @@ def training_step(layer, applications=1, jit=False):
       y = x
       for _ in range(applications):
         y = layer(y, training=True)
-    # The incoming gradient is an output-sized stand-in for the loss's.
-    return tape.gradient(y, [x] + weights, output_gradients=tf.ones_like(y))
+    # d(sum(y**2) / 2)/dy = y: the loss's gradient, without the loss's ops.
+    return tape.gradient(y, [x] + weights,
+                         output_gradients=tf.stop_gradient(y))
 
   return step
 
