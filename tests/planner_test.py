@@ -1,6 +1,6 @@
 """The planner: its measurements, its optimality, and its budgets in reality."""
 
-import itertools
+import dataclasses
 
 import keras
 import numpy as np
@@ -26,7 +26,8 @@ def _random_chain(rng, n):
         saved_bytes=int(rng.integers(0, 400)) * 1000,
         forward_transient_bytes=int(rng.integers(0, 100)) * 1000,
         backward_transient_bytes=int(rng.integers(0, 100)) * 1000,
-        weight_grad_bytes=int(rng.integers(0, 20)) * 1000))
+        weight_grad_bytes=int(rng.integers(0, 20)) * 1000,
+        waiting_recompute_seconds=float(rng.uniform(0, 0.3))))
   return costs
 
 
@@ -78,6 +79,28 @@ def test_full_budget_rematerializes_nothing_and_plan_prints():
   text = str(planner.plan(costs, planner.smallest_budget(costs)))
   assert "remat segment" in text and "predicted peak" in text
   assert len(text.splitlines()) == 5 + 2
+
+
+def test_long_segments_pay_for_waiting_recomputes():
+  costs = [dataclasses.replace(c, waiting_recompute_seconds=0.25 * (i + 1))
+           for i, c in enumerate(_random_chain(np.random.default_rng(5), 3))]
+  singles = planner.predict(costs, planner.uniform_segments(3, 3))[1]
+  whole = planner.predict(costs, planner.uniform_segments(3, 1))[1]
+  # Layers 0 and 1 wait for the later recomputes; the last does not.
+  assert whole - singles == pytest.approx(0.25 + 0.5)
+  # Without that cost the two do the same work.
+  plain = [dataclasses.replace(c, waiting_recompute_seconds=0.0)
+           for c in costs]
+  assert planner.predict(plain, planner.uniform_segments(3, 1))[1] == (
+      pytest.approx(planner.predict(plain, planner.uniform_segments(3, 3))[1]))
+
+
+def test_measure_chain_spreads_the_waiting_cost_by_forward_time():
+  blocks = models.residual_mlp(3, 64, dropout=0.0, residual_inside=True)
+  x = tf.random.stateless_normal([1024, 64], seed=[1, 4])
+  costs = planner.measure_chain(blocks, x, repeats=3)
+  ratios = {c.waiting_recompute_seconds / c.forward_seconds for c in costs}
+  assert len({round(r, 12) for r in ratios}) == 1 and min(ratios) >= 0, costs
 
 
 def test_measure_layer_counts_bytes_exactly():

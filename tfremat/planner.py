@@ -53,6 +53,10 @@ class LayerCost:
       (saved tensors, output, incoming and outgoing gradients, weight
       gradients).
     weight_grad_bytes: its weight gradients (held until the step ends).
+    waiting_recompute_seconds: what its recompute costs beyond
+      `forward_seconds` when it is not the last layer of a rematerialized
+      segment, so that its recomputed tensors wait while the later layers'
+      are recomputed (measured chain-wide by `measure_chain`).
   """
   name: str
   forward_seconds: float
@@ -63,6 +67,7 @@ class LayerCost:
   forward_transient_bytes: int
   backward_transient_bytes: int
   weight_grad_bytes: int
+  waiting_recompute_seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,14 +84,17 @@ def _nbytes(tree):
              for t in tf.nest.flatten(tree) if t is not None)
 
 
-def _median_seconds(fn, x, repeats):
-  fn(x)  # Trace.
-  times = []
+def _median_seconds(fns, x, repeats):
+  """Median seconds of each fn(x), timed one call of each per round."""
+  for fn in fns:
+    fn(x)  # Trace.
+  times = [[] for _ in fns]
   for _ in range(repeats):
-    start = time.perf_counter()
-    tf.nest.map_structure(np.asarray, fn(x))
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
+    for fn, samples in zip(fns, times):
+      start = time.perf_counter()
+      tf.nest.map_structure(np.asarray, fn(x))
+      samples.append(time.perf_counter() - start)
+  return [float(np.median(t)) for t in times]
 
 
 def _peak_bytes(fn, x):
@@ -161,8 +169,7 @@ def measure_layer(layer, x, repeats=5):
     del tape, held
   saved = max(0, saved)
   fwd_peak = _peak_bytes(forward, x)
-  fwd_s = _median_seconds(forward, x, repeats)
-  both_s = _median_seconds(once, x, repeats)
+  fwd_s, both_s = _median_seconds([forward, once], x, repeats)
   cost = LayerCost(
       name=layer.name,
       forward_seconds=fwd_s,
@@ -184,12 +191,34 @@ def measure_peak(layer, x):
 
 
 def measure_chain(layers, sample_input, repeats=5):
-  """Measures each layer of a chain in turn; returns a list of LayerCost."""
+  """Measures each layer of a chain in turn; returns a list of LayerCost.
+
+  Then measures what long rematerialized segments cost beyond their layers'
+  forward times. Recomputing a segment of k layers and then running its
+  backward pass took longer than doing the same for k one-layer segments
+  (on 2-core CPUs: 3-5% of the whole step for one segment over the chain),
+  presumably because each layer's recomputed tensors are no longer fresh in
+  cache when its backward pass reads them. So the chain is timed both ways,
+  `repeats` times round-robin, and the difference is spread over the layers
+  that wait, in proportion to their forward time, as
+  `waiting_recompute_seconds`.
+  """
   costs, x = [], tf.convert_to_tensor(sample_input)
   for layer in layers:
     cost, x = measure_layer(layer, x, repeats)
     costs.append(cost)
-  return costs
+  if len(costs) < 2:
+    return costs
+  from tfremat import layers as layers_lib  # pylint: disable=g-import-not-at-top
+  n, x = len(layers), tf.convert_to_tensor(sample_input)
+  steps = [training_step(layers_lib.RematSequential(layers, segments))
+           for segments in ([Segment(i, i + 1, True) for i in range(n)],
+                            [Segment(0, n, True)])]
+  singles, whole = _median_seconds(steps, x, repeats)
+  waiting = sum(c.forward_seconds for c in costs[:-1])
+  ratio = max(0.0, whole - singles) / waiting if waiting else 0.0
+  return [dataclasses.replace(
+      c, waiting_recompute_seconds=ratio * c.forward_seconds) for c in costs]
 
 
 def _segment_terms(costs, seg):
@@ -230,6 +259,7 @@ def _segment_terms(costs, seg):
   seconds = sum(c.forward_seconds + c.backward_seconds for c in layers)
   if seg.remat:
     seconds += sum(c.forward_seconds for c in layers)
+    seconds += sum(c.waiting_recompute_seconds for c in layers[:-1])
   return peak, retained, seconds
 
 
@@ -335,14 +365,15 @@ class Plan:
   def __str__(self):
     mib = lambda b: f"{b / 2**20:.1f} MiB"
     lines = [f"{'layer':<24}{'decision':<18}{'saved':>11}{'output':>11}"
-             f"{'fwd ms':>9}"]
+             f"{'fwd ms':>9}{'wait ms':>9}"]
     for k, seg in enumerate(self.segments):
       for i in range(seg.start, seg.stop):
         c = self.costs[i]
         what = f"remat segment {k}" if seg.remat else "keep"
         lines.append(f"{c.name[:23]:<24}{what:<18}{mib(c.saved_bytes):>11}"
                      f"{mib(c.output_bytes):>11}"
-                     f"{1000 * c.forward_seconds:>9.2f}")
+                     f"{1000 * c.forward_seconds:>9.2f}"
+                     f"{1000 * c.waiting_recompute_seconds:>9.2f}")
     extra = self.seconds / self.baseline_seconds - 1
     budget = (f" (budget {mib(self.budget_bytes)})"
               if self.budget_bytes is not None else "")
