@@ -1,6 +1,7 @@
 """The planner: its measurements, its optimality, and its budgets in reality."""
 
 import dataclasses
+import math
 
 import keras
 import numpy as np
@@ -184,6 +185,39 @@ def test_remat_sequential_argument_errors():
     tfremat.RematSequential([lambda x: x], [(0, 1, True)])
   with pytest.raises(ValueError, match="cover layers"):
     tfremat.RematSequential(blocks, [(0, 1, True)])
+
+
+@pytest.mark.parametrize("error,keep_error", [(0.9, 0.9), (1.1, 1.1),
+                                               (1.1, 1.0)])
+def test_checked_plan_calibrates_the_model_by_measurement(
+    monkeypatch, error, keep_error):
+  # A stand-in allocator whose peaks are the model's times `error` (times
+  # `keep_error` for keeping everything). 0.9: a model that predicts too much
+  # (it would rematerialize more than needed); 1.1: too little (its plans
+  # would break the budget); 1.1 with 1.0: a calibration that misleads.
+  costs = _random_chain(np.random.default_rng(6), 8)
+  layers = [keras.layers.Identity() for _ in costs]
+
+  def measure(layer, x):
+    del x
+    remat = any(s.remat for s in layer.segments)
+    peak = planner.predict(costs, layer.segments)[0]
+    return int((error if remat else keep_error) * peak)
+
+  monkeypatch.setattr(planner, "measure_peak", measure)
+  keep_peak = planner.predict(costs, planner.keep_all(8))[0]
+  for fraction in np.linspace(0.3, 0.95, 14):
+    budget = int(fraction * keep_error * keep_peak)
+    chosen = tfremat.layers.checked_plan(layers, budget, None, costs=costs)
+    # The fastest plan whose stand-in peak fits.
+    best = planner.plan(costs, budget / error)
+    assert chosen.measured_peak_bytes <= budget, (fraction, str(chosen))
+    assert chosen.seconds == pytest.approx(best.seconds, rel=1e-12), fraction
+  if error == keep_error:
+    need = planner.smallest_budget(costs) * error
+    with pytest.raises(ValueError, match="smallest budget that works for "
+                       f"this chain is about {math.ceil(need)} bytes"):
+      tfremat.layers.checked_plan(layers, int(need) - 2, None, costs=costs)
 
 
 def _chain(name):
