@@ -205,7 +205,8 @@ def _schemes_and_plans(fractions, progress):
     step = planner.training_step(layer, jit=FLAGS.jit)
     step(x)
     rows.append({"scheme": name, "kind": kind, "budget_fraction": fraction,
-                 "peak_bytes": int(peak_step_bytes(step, x)),
+                 "peak_bytes": int(peak_step_bytes(
+                     step, x, calls=planner.PEAK_CALLS)),
                  "step_seconds": None,
                  "rematerialized": sum(s.stop - s.start for s in segments
                                        if s.remat)})
@@ -229,17 +230,10 @@ def _schemes_and_plans(fractions, progress):
       continue
     print(f"\nplanner at {fraction:.0%} of {full / 2**20:.1f} MiB:\n{chosen}")
     run(f"planner {fraction:.0%}", "planner", chosen.segments, fraction)
-  # Timed round-robin, one step of every scheme per round: drift in the
-  # machine's speed then touches all schemes alike (timed one scheme after
-  # another, two schemes doing the same work differed by 6%).
-  times = [[] for _ in steps]
-  for _ in range(FLAGS.steps):
-    for step, samples in zip(steps, times):
-      start = time.perf_counter()
-      np.asarray(step(x)[0])
-      samples.append(time.perf_counter() - start)
-  for row, samples in zip(rows, times):
-    row["step_seconds"] = float(np.median(samples))
+  # Timed round-robin in shuffled order (see planner.median_seconds).
+  seconds = planner.median_seconds(steps, x, FLAGS.steps)
+  for row, step_seconds in zip(rows, seconds):
+    row["step_seconds"] = step_seconds
   return rows
 
 
@@ -326,19 +320,26 @@ def memory_device():
   return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
 
 
-def peak_step_bytes(step, *args):
-  """Peak allocator bytes of one `step(*args)` call above the prior level.
+def peak_step_bytes(step, *args, calls=1):
+  """Peak allocator bytes of a `step(*args)` call above the prior level; the
+  largest over `calls` calls.
 
   `step` must already be traced (call it once first), so that tracing and
-  compilation are not measured.
+  compilation are not measured. The peak of one traced step varies from
+  call to call (by up to 10% on the 2-core CPU machine: the executor's
+  threads order independent ops differently), hence `calls`.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   device = memory_device()
-  tf.config.experimental.reset_memory_stats(device)
-  baseline = tf.config.experimental.get_memory_info(device)["current"]
-  result = step(*args)
-  tf.nest.map_structure(np.asarray, result)  # Wait for the step to finish.
-  return tf.config.experimental.get_memory_info(device)["peak"] - baseline
+  peaks = []
+  for _ in range(calls):
+    tf.config.experimental.reset_memory_stats(device)
+    baseline = tf.config.experimental.get_memory_info(device)["current"]
+    result = step(*args)
+    tf.nest.map_structure(np.asarray, result)  # Wait for the step to finish.
+    peaks.append(
+        tf.config.experimental.get_memory_info(device)["peak"] - baseline)
+  return max(peaks)
 
 
 def _sizes():

@@ -29,9 +29,14 @@ import tensorflow as tf
 
 
 # A measured peak may exceed a budget by this factor and still count as
-# within it: the same training step's peak varies by ~2% from one trace to
-# the next (allocator rounding and buffer order).
+# within it: allocator rounding and the order in which the executor runs
+# independent ops move a step's peak from one call to the next.
 MEASUREMENT_SLACK = 1.05
+
+# A measured peak is the largest of this many calls of a traced step: one
+# step's peak varies from call to call (on the benchmark's MLP, 97-107 MiB
+# over 18 calls of one plan).
+PEAK_CALLS = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,23 +89,31 @@ def _nbytes(tree):
              for t in tf.nest.flatten(tree) if t is not None)
 
 
-def _median_seconds(fns, x, repeats):
-  """Median seconds of each fn(x), timed one call of each per round."""
+def median_seconds(fns, x, repeats):
+  """Median seconds of each fn(x) over `repeats` rounds.
+
+  Each round calls every fn once, in a shuffled order: drift in the
+  machine's speed then touches all alike (timed one after another, two
+  functions doing the same work differed by 6%), and no fn always follows
+  the same one (and inherits, say, its allocator state). Each fn is called
+  once untimed first, to trace it.
+  """
   for fn in fns:
-    fn(x)  # Trace.
+    fn(x)
   times = [[] for _ in fns]
+  order = np.random.default_rng(0)
   for _ in range(repeats):
-    for fn, samples in zip(fns, times):
+    for i in order.permutation(len(fns)):
       start = time.perf_counter()
-      tf.nest.map_structure(np.asarray, fn(x))
-      samples.append(time.perf_counter() - start)
+      tf.nest.map_structure(np.asarray, fns[i](x))
+      times[i].append(time.perf_counter() - start)
   return [float(np.median(t)) for t in times]
 
 
 def _peak_bytes(fn, x):
   from tfremat import bench  # pylint: disable=g-import-not-at-top
   fn(x)  # Trace outside the measurement.
-  return bench.peak_step_bytes(fn, x)
+  return bench.peak_step_bytes(fn, x, calls=PEAK_CALLS)
 
 
 def _current_bytes():
@@ -169,7 +182,7 @@ def measure_layer(layer, x, repeats=5):
     del tape, held
   saved = max(0, saved)
   fwd_peak = _peak_bytes(forward, x)
-  fwd_s, both_s = _median_seconds([forward, once], x, repeats)
+  fwd_s, both_s = median_seconds([forward, once], x, repeats)
   cost = LayerCost(
       name=layer.name,
       forward_seconds=fwd_s,
@@ -195,14 +208,13 @@ def measure_chain(layers, sample_input, repeats=5):
 
   Then measures what long rematerialized segments cost beyond their layers'
   forward times. Recomputing a segment of k layers and then running its
-  backward pass took longer than doing the same for k one-layer segments
-  (on the benchmark's models on a 2-core CPU machine: 3-5% of the whole
-  step for one segment over the chain),
-  presumably because each layer's recomputed tensors are no longer fresh in
-  cache when its backward pass reads them. So the chain is timed both ways,
-  `repeats` times round-robin, and the difference is spread over the layers
-  that wait, in proportion to their forward time, as
-  `waiting_recompute_seconds`.
+  backward pass took longer than doing the same for k one-layer segments (on
+  the benchmark's models on a 2-core CPU machine: 3-5% of the whole step for
+  one segment over the chain), presumably because each layer's recomputed
+  tensors are no longer fresh in cache when its backward pass reads them. So
+  the chain is timed both ways, `repeats` times round-robin, and the
+  difference is spread over the layers that wait, in proportion to their
+  forward time, as `waiting_recompute_seconds`.
   """
   costs, x = [], tf.convert_to_tensor(sample_input)
   for layer in layers:
@@ -215,7 +227,7 @@ def measure_chain(layers, sample_input, repeats=5):
   steps = [training_step(layers_lib.RematSequential(layers, segments))
            for segments in ([Segment(i, i + 1, True) for i in range(n)],
                             [Segment(0, n, True)])]
-  singles, whole = _median_seconds(steps, x, repeats)
+  singles, whole = median_seconds(steps, x, repeats)
   waiting = sum(c.forward_seconds for c in costs[:-1])
   ratio = max(0.0, whole - singles) / waiting if waiting else 0.0
   return [dataclasses.replace(
