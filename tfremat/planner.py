@@ -209,7 +209,7 @@ def measure_chain(layers, sample_input, repeats=5):
   Then measures what long rematerialized segments cost beyond their layers'
   forward times. Recomputing a segment of k layers and then running its
   backward pass took longer than doing the same for k one-layer segments (on
-  the benchmark's models on a 2-core CPU machine: 3-5% of the whole step for
+  the benchmark's models on a 2-core CPU machine: 3-6% of the whole step for
   one segment over the chain), presumably because each layer's recomputed
   tensors are no longer fresh in cache when its backward pass reads them. So
   the chain is timed both ways, `repeats` times round-robin, and the
