@@ -408,13 +408,19 @@ def plan(costs, budget_bytes):
   """
   segments = _fastest(costs, budget_bytes)
   if segments is None:
-    need = smallest_budget(costs)
-    raise ValueError(
-        f"No rematerialization plan fits a budget of {budget_bytes} bytes "
-        f"({budget_bytes / 2**20:.1f} MiB); the smallest budget that works "
-        f"for this chain is {need} bytes ({need / 2**20:.1f} MiB). Raise the "
-        "budget, or shrink the batch or the layers.")
+    raise infeasible_budget_error(budget_bytes, smallest_budget(costs))
   return Plan(costs, segments, budget_bytes)
+
+
+def infeasible_budget_error(budget_bytes, need, estimated_by=None):
+  """The ValueError for a budget below `need`, the smallest that works
+  (`estimated_by`: how `need` was estimated, if not by the model alone)."""
+  about, how = ("about ", f", {estimated_by}") if estimated_by else ("", "")
+  return ValueError(
+      f"No rematerialization plan fits a budget of {budget_bytes} bytes "
+      f"({budget_bytes / 2**20:.1f} MiB); the smallest budget that works for "
+      f"this chain is {about}{need} bytes ({need / 2**20:.1f} MiB){how}. "
+      "Raise the budget, or shrink the batch or the layers.")
 
 
 def keep_all(num_layers):
