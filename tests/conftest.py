@@ -6,6 +6,7 @@ GPU. Without a GPU the GPU parameter is reported as skipped, not silently
 dropped.
 """
 
+import functools
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -79,3 +80,59 @@ def restore(variables, values):
   for v, value in zip(variables, values):
     v.assign(value)
 
+
+
+def parity_loss(outputs):
+  """A loss with a non-uniform gradient for every floating output.
+
+  A fixed projection, not only sum(y**2): after BatchNormalization sum(y**2)
+  hardly depends on the input, and its tiny, cancellation-dominated input
+  gradient would compare kernel rounding rather than rematerialization.
+  """
+  terms = []
+  for y in tf.nest.flatten(outputs):
+    if y.dtype.is_floating:
+      y = tf.cast(y, tf.float32)
+      weights = tf.sin(1.0 + tf.cast(tf.range(tf.size(y)), tf.float32))
+      terms.append(tf.reduce_sum(tf.reshape(y, [-1]) * weights) +
+                   0.5 * tf.reduce_sum(y * y))
+  return tf.add_n(terms)
+
+
+def training_step(call, variables):
+  """A training step: outputs, input gradients and variable gradients."""
+
+  def step(*xs):
+    with tf.GradientTape() as tape:
+      tape.watch([x for x in tf.nest.flatten(xs) if x.dtype.is_floating])
+      outputs = call(*xs)
+      loss = parity_loss(outputs)
+    return outputs, tape.gradient(loss, (xs, variables))
+
+  return step
+
+
+def assert_parity(call, inputs, variables, mode, device, state=None):
+  """Rematerialized `call` gives the plain outputs, gradients and state.
+
+  Args:
+    call: `call(remat, *inputs)`, computing with or without rematerialization.
+    inputs: the (nested) inputs.
+    variables: the variables to differentiate.
+    mode: "eager", "function" or "xla".
+    device: where to run.
+    state: all variables the step may change; defaults to `variables`.
+  """
+  state = list(variables) if state is None else list(state)
+  with tf.device(device):
+    before = snapshot(state)
+    expected = compile_step(
+        training_step(functools.partial(call, False), variables), mode)(*inputs)
+    expected_state = snapshot(state)
+    restore(state, before)
+    actual = compile_step(
+        training_step(functools.partial(call, True), variables), mode)(*inputs)
+    actual_state = snapshot(state)
+  assert_trees_close(actual, expected)
+  assert_trees_close(actual_state, expected_state)
+  return actual

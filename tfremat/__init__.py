@@ -7,6 +7,7 @@ from tfremat.layers import RematerializationLayer
 from tfremat.layers import RematSequential
 from tfremat.layers import remat_sequential
 from tfremat.remat import RematerializeFn
+from tfremat.remat import RerunMismatchError
 from tfremat.remat import rematerialize
 from tfremat.state import UnreplayableOpError
 from tfremat.step_seed import DeterministicDropout

@@ -15,9 +15,24 @@ Example:
       loss = tf.reduce_sum(y * y)
     return tape.gradient(loss, [x] + block.trainable_weights)
 
-The forward pass keeps only the inputs of `fn`; the backward pass reruns `fn`
-with the same random seeds and variable state and differentiates it with
-`tf.gradients`, so the gradients equal those without rematerialization.
+The forward pass keeps only what `fn` reads; the backward pass reruns `fn` as
+the forward pass ran it and differentiates the rerun, so the gradients equal
+those without rematerialization. "As the forward pass ran it" means:
+
+- in the same mode: an eager forward pass is rerun eagerly under a
+  `tf.GradientTape` (no tracing, so `.numpy()` and Python control flow on
+  tensor values work); a traced one is rerun in the same graph and
+  differentiated with `tf.gradients`, as in Lingvo;
+- in the same context: the Keras call context (`training` inherited from an
+  enclosing layer call), the autocast dtype of mixed precision, and AutoGraph
+  conversion are those of the forward pass;
+- from the same state: step seeds, the global step and every Keras variable
+  the forward pass touched are replayed at their forward-time values, and raw
+  `tf.Variable`s are read at their forward-time values in graphs (in eager
+  mode, a changed one raises);
+- with the same inputs: tensors the function captured by closure (not passed
+  as arguments) are found while the forward pass runs and differentiated like
+  the arguments.
 """
 
 import functools
@@ -25,12 +40,24 @@ import functools
 import keras
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.eager import context
+from keras.src.backend.common import global_state
+from tensorflow.python.autograph.core import ag_ctx
+from tensorflow.python.autograph.impl import api as autograph
+from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import record
-from tensorflow.python.framework import ops
+from tensorflow.python.framework import op_callbacks
+from tensorflow.python.ops import control_flow_util
 
 from tfremat import state
 from tfremat import step_seed
+
+DETERMINISM_CHECKS = ("default", "values", "none")
+
+
+class RerunMismatchError(ValueError):
+  """The backward-pass rerun did not compute what the forward pass did."""
+
+  __init__ = Exception.__init__  # See UnreplayableOpError.
 
 
 def _is_variable(x):
@@ -41,39 +68,50 @@ def _is_differentiable(t):
   return t.dtype.is_floating or t.dtype.is_complex
 
 
-def _to_input_leaf(x):
-  if _is_variable(x) or x is None:
-    return x
-  try:
-    return tf.convert_to_tensor(x)
-  except (TypeError, ValueError) as e:
-    raise TypeError(
-        "RematerializeFn inputs must be tensors, variables, or nested "
-        "tuples/lists/dicts of them; got a leaf of type "
-        f"{type(x).__name__}: {x!r}. Bind other arguments into fn instead "
-        "(e.g. with functools.partial or a lambda).") from e
+class _ForwardContext:
+  """The Python-side context a forward pass ran in, to rerun it there."""
+
+  def __init__(self):
+    call_context = global_state.get_global_attribute("current_call_ctx")
+    # A copy: the entry layer changes its context object as the call goes on.
+    self._call_context = (None if call_context is None else
+                          _copy_object(call_context))
+    self._autocast = global_state.get_global_attribute("autocast_scope")
+    self._autograph = ag_ctx.control_status_ctx()
+
+  def convert(self, fn):
+    """`fn` with the forward pass's AutoGraph conversion, for both passes."""
+    return autograph.tf_convert(fn, self._autograph)
+
+  def __enter__(self):
+    self._saved = [global_state.get_global_attribute(name)
+                   for name in ("current_call_ctx", "autocast_scope")]
+    global_state.set_global_attribute("current_call_ctx", self._call_context)
+    global_state.set_global_attribute("autocast_scope", self._autocast)
+
+  def __exit__(self, *args):
+    for name, value in zip(("current_call_ctx", "autocast_scope"),
+                           self._saved):
+      global_state.set_global_attribute(name, value)
 
 
-def _to_output_leaf(y):
-  try:
-    return tf.convert_to_tensor(y)
-  except (TypeError, ValueError) as e:
-    raise TypeError(
-        "The function given to RematerializeFn must return tensors or nested "
-        f"tuples/lists/dicts of them; it returned a leaf of type "
-        f"{type(y).__name__}: {y!r}.") from e
+def _copy_object(obj):
+  copy = object.__new__(type(obj))
+  copy.__dict__.update(obj.__dict__)
+  return copy
 
 
 def _gradient_gate(dys):
   """A float32 zero computed from the incoming gradient.
 
-  The rerun's inputs are offset by this zero, which makes every recomputed op
-  depend on the gradient through data. Control dependencies would not do: XLA
-  ignores them, and without any dependency the runtime is free to run the
-  recompute during the forward pass (keeping its activations alive, as
-  Lingvo's version does under tf.function) or common-subexpression-eliminate it
-  with the forward ops. `b & ~b` is False even when the gradient is NaN or
-  empty, and no optimizer folds it to a constant.
+  In a graph, the rerun's inputs are offset by this zero, which makes every
+  recomputed op depend on the gradient through data. Control dependencies
+  would not do: XLA ignores them, and without any dependency the runtime is
+  free to run the recompute during the forward pass (keeping its activations
+  alive, as Lingvo's version does under tf.function) or
+  common-subexpression-eliminate it with the forward ops. `b & ~b` is False
+  even when the gradient is NaN or empty, and no optimizer folds it to a
+  constant.
   """
   for dy in dys:
     if isinstance(dy, tf.IndexedSlices):
@@ -96,56 +134,62 @@ def _gate(x, zero):
     return tf.identity(x)
 
 
-def _unconnected_outputs(dys):
-  """Which incoming gradients are the tape's stand-ins for "no gradient".
+def _mark_connected(y, index, connected):
+  """`y`, noting in `connected` when a gradient computation reaches it.
 
-  For an output the loss does not use, the gradient tape passes zeros rather
-  than None. Differentiating the rerun against those zeros would give a zero
-  gradient, where the plain computation gives None, to variables that only
-  that output uses (and an optimizer treats the two differently). The tape's
-  zeros are recognizable: in a graph they are a constant, in eager mode the
-  tape hands out one cached tensor per shape.
+  For an output the loss does not use, gradient tapes and `tf.gradients`
+  pass zeros rather than None. Differentiating the rerun against those zeros
+  would give a zero gradient, where the plain computation gives None, to
+  variables only that output uses (and an optimizer treats the two
+  differently: Adam moves a weight on a zero gradient). A gradient
+  computation calls this identity's gradient only when the output is used,
+  and always before the rematerialized call's own gradient.
   """
-  ctx = context.context()
-  zeros_cache = ctx.zeros_cache() if hasattr(ctx, "zeros_cache") else None
-  unconnected = []
-  for dy in dys:
-    if dy is None or isinstance(dy, tf.IndexedSlices):
-      unconnected.append(dy is None)
-    elif isinstance(dy, ops.EagerTensor):
-      key = (tuple(dy.shape.as_list()), dy.dtype, ctx.device_name)
-      unconnected.append(
-          zeros_cache is not None and zeros_cache.get(key) is dy)
-    else:
-      value = tf.get_static_value(dy)
-      unconnected.append(value is not None and not np.any(value))
-  return unconnected
+
+  @tf.custom_gradient
+  def mark(t):
+
+    def grad(dy):
+      connected.add(index)
+      return dy
+
+    return tf.identity(t), grad
+
+  return mark(y)
 
 
-def RematerializeFn(fn, *xs):
+def RematerializeFn(fn, *xs, determinism_check="default"):
   """Returns `fn(*xs)`, recomputing its activations in the backward pass.
 
   Args:
-    fn: a callable. It may call Keras layers and read variables; gradients flow
-      to every trainable variable it reads, as without rematerialization. Its
-      random numbers must come from seeds (Keras random layers and
+    fn: a callable. It may call Keras layers, read variables and tensors it
+      captures, and use Python control flow; gradients flow to every input,
+      captured tensor and variable it reads, as without rematerialization.
+      Its random numbers must come from seeds (Keras random layers and
       `keras.random` ops with a `SeedGenerator`, `GenerateStepSeedPair`,
       `DeterministicDropout`); a stateful random op raises
       `UnreplayableOpError`. Keras variable updates (BatchNormalization
       statistics, seed generators) are applied once.
-    *xs: tensors, variables, or nested tuples/lists/dicts of them. Floating
-      point tensors are differentiated; integer and bool tensors are passed
-      through without gradient.
+    *xs: the arguments of `fn`: tensors, variables, other Python values, or
+      nested tuples/lists/dicts of them. Floating point tensors and
+      variables are differentiated; everything else is passed to `fn` as it
+      is.
+    determinism_check: how the rerun is checked against the forward pass.
+      "default" raises `RerunMismatchError` when the rerun returns a
+      different structure, dtype or shape; "values" also compares the values
+      (it keeps the outputs for the backward pass, so it costs memory; not
+      under XLA); "none" checks nothing.
 
   Returns:
-    What `fn(*xs)` returns: a tensor or a nested structure of tensors.
+    What `fn(*xs)` returns.
   """
   if not callable(fn):
     raise TypeError(
         f"RematerializeFn expects a callable as its first argument, got "
         f"{type(fn).__name__}. Usage: RematerializeFn(fn, *inputs).")
   # The default on_losses refuses losses, so none come back here.
-  outputs, _ = rematerialize_with_losses(fn, xs)
+  outputs, _ = rematerialize_with_losses(
+      fn, xs, determinism_check=determinism_check)
   return outputs
 
 
@@ -158,7 +202,8 @@ def _refuse_losses(losses):
       "does, or compute the loss outside the rematerialized function.")
 
 
-def rematerialize_with_losses(fn, xs, on_losses=_refuse_losses):
+def rematerialize_with_losses(fn, xs, on_losses=_refuse_losses,
+                              determinism_check="default"):
   """`RematerializeFn(fn, *xs)` that also returns the losses `fn` added.
 
   Returns `(outputs, losses)`, where `losses` pairs each loss tensor that `fn`
@@ -167,111 +212,348 @@ def rematerialize_with_losses(fn, xs, on_losses=_refuse_losses):
   reaches the variables. `on_losses(original_losses)` is called before any
   variable update is applied and may raise to refuse them.
   """
-  leaves = [_to_input_leaf(x) for x in tf.nest.flatten(xs)]
-  tensor_ids = [i for i, x in enumerate(leaves) if isinstance(x, tf.Tensor)]
-  diff_ids = [i for i in tensor_ids if _is_differentiable(leaves[i])]
+  if determinism_check not in DETERMINISM_CHECKS:
+    raise ValueError(
+        f"determinism_check must be one of {DETERMINISM_CHECKS}, got "
+        f"{determinism_check!r}.")
+  if (determinism_check == "values" and not tf.executing_eagerly() and
+      control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())):
+    raise ValueError(
+        "determinism_check='values' cannot run under XLA (jit_compile), which "
+        "drops assertions. Check values with the same step run eagerly or in "
+        "a tf.function without jit_compile.")
+  call = _Call(fn, xs, determinism_check)
+  return call.forward(on_losses)
 
-  def call_fn(leaf_values):
-    return fn(*tf.nest.pack_sequence_as(xs, leaf_values))
 
-  # Filled in by the forward pass; needed to unpack its flat result.
-  forward = {}
+class _Call:
+  """One rematerialized call: its forward pass, and the rerun it attaches."""
 
-  @tf.custom_gradient
-  def rematerialized(*diff_inputs):
-    values = list(leaves)
-    for i, t in zip(diff_ids, diff_inputs):
-      values[i] = t
-    seed = step_seed.GetStepSeed()
-    global_step = step_seed.GetGlobalStep()
-    outputs, recorded = _run_forward(call_fn, values, seed)
-    flat_outputs = [_to_output_leaf(y) for y in tf.nest.flatten(outputs)]
+  def __init__(self, fn, xs, determinism_check):
+    self.context = _ForwardContext()
+    self.fn = self.context.convert(fn)
+    self.xs = xs
+    self.leaves = tf.nest.flatten(xs)
+    self.eager = tf.executing_eagerly()
+    self.determinism_check = determinism_check
+
+  def call(self, leaves):
+    return self.fn(*tf.nest.pack_sequence_as(self.xs, leaves))
+
+  def forward(self, on_losses):
+    self.seed = step_seed.GetStepSeed()
+    self.global_step = step_seed.GetGlobalStep()
+    outputs, recorded, ops, watched = self._run_forward()
+    flat = tf.nest.flatten(outputs)
+    self.structure = outputs
+    self.attached = [i for i, y in enumerate(flat)
+                     if isinstance(y, tf.Tensor) and _is_differentiable(y)]
+    self.specs = [(flat[i].dtype, flat[i].shape) for i in self.attached]
     if recorded.losses:
       on_losses(recorded.losses)
-    forward["structure"] = outputs
-    forward["losses"] = recorded.losses
+    self.losses = recorded.losses
+    sources = self._sources(recorded, ops, watched)
+    if not self.attached and not self.losses or not sources:
+      # Nothing to differentiate, or nothing the gradient could reach.
+      recorded.apply_updates()
+      return outputs, [(loss, loss) for loss in self.losses]
+    self.forward_values = ([flat[i] for i in self.attached]
+                           if self.determinism_check == "values" else None)
+
+    self.connected = set()
+
+    @tf.custom_gradient
+    def attach(*unused_sources):
+      return [flat[i] for i in self.attached] + self.losses, self._grad_fn
+
+    # Before the updates: attaching raises under a forward accumulator.
+    results = attach(*[s.tensor for s in sources])
     recorded.apply_updates()
+    results = [_mark_connected(y, i, self.connected)
+               for i, y in enumerate(results)]
+    for i, y in zip(self.attached, results):
+      flat[i] = y
+    outputs = tf.nest.pack_sequence_as(outputs, flat)
+    return outputs, list(zip(self.losses, results[len(self.attached):]))
 
-    def grad_fn(*dys, variables=None):
-      variables = list(variables or [])
-      backward = tf.function(
-          functools.partial(_rerun_and_differentiate, call_fn, values,
-                            tensor_ids, diff_ids, recorded.variables,
-                            variables),
-          autograph=False)
-      unconnected = _unconnected_outputs(dys)
-      dys = [None if skip else dy for dy, skip in zip(dys, unconnected)]
-      input_grads, variable_grads = backward(
-          _gradient_gate(dys), [values[i] for i in tensor_ids], dys,
-          seed, global_step, recorded.before)
-      return list(input_grads), list(variable_grads)
+  def _run_forward(self):
+    """Runs the forward pass, keeping nothing for the backward pass.
 
-    return flat_outputs + recorded.losses, grad_fn
+    Layers built on this call create their variables inside the recording
+    scope, where Keras only initializes them on exit; the outputs of that run
+    used placeholder weights, so the pass runs again, from the same step
+    seed, once the variables exist.
+    """
+    inputs = [x for x in self.leaves if isinstance(x, tf.Tensor)]
+    for _ in range(2):
+      with record.stop_recording(), self.context:
+        with record.VariableWatcher() as watcher:
+          with state.RecordingScope() as scope, state.ForwardOps(inputs) as ops:
+            outputs = self.call(self.leaves)
+      if not scope.created_variables:
+        return (outputs, state.ForwardState(scope), ops,
+                watcher.watched_variables())
+      step_seed.ResetStepSeed(self.seed)
+    raise RuntimeError(
+        "RematerializeFn: the function keeps creating variables on every "
+        "call. Create layers and variables once, outside the function, and "
+        "call them inside it.")
 
-  flat = rematerialized(*[leaves[i] for i in diff_ids])
-  num_outputs = len(flat) - len(forward["losses"])
-  outputs = tf.nest.pack_sequence_as(forward["structure"], flat[:num_outputs])
-  return outputs, list(zip(forward["losses"], flat[num_outputs:]))
+  def _sources(self, recorded, ops, watched):
+    """Everything the rerun reads whose gradient may be asked for.
 
+    In eager mode only what a gradient tape is recording is differentiated;
+    in a graph everything is, since `tf.gradients` may ask later.
+    """
+    sources, seen = [], set()
+    if self.eager and not record.could_possibly_record():
+      return sources  # No tape or accumulator: nothing will ask.
 
-def _run_forward(call_fn, values, seed):
-  """Runs the forward pass, keeping nothing for the backward pass.
+    def add(kind, tensor, index=None, variable=None):
+      if id(tensor) in seen or not _is_differentiable(tensor):
+        return
+      seen.add(id(tensor))
+      if self.eager and not _is_recorded(tensor):
+        return
+      sources.append(_Source(kind, tensor, index, variable))
 
-  Returns the outputs and the `ForwardState` recorded while they were computed.
-  Layers built on this call create their variables inside the recording scope,
-  where Keras only initializes them on exit; the outputs of that run used
-  placeholder weights, so the pass runs again, from the same step `seed`, once
-  the variables exist.
-  """
-  for _ in range(2):
-    with record.stop_recording():
-      with state.RecordingScope() as scope, state.unreplayable_ops():
-        outputs = call_fn(values)
-    if not scope.created_variables:
-      return outputs, state.ForwardState(scope)
-    step_seed.ResetStepSeed(seed)
-  raise RuntimeError(
-      "RematerializeFn: the function keeps creating variables on every call. "
-      "Create layers and variables once, outside the function, and call them "
-      "inside it.")
+    for i, x in enumerate(self.leaves):
+      if isinstance(x, tf.Tensor):
+        add("input", x, index=i)
+    self.keras_variables = recorded.variables
+    self.keras_values = recorded.before
+    for i, value in enumerate(recorded.before):
+      add("keras", value, index=i)
+    keras_backing = {id(getattr(v, "_value", v)) for v in recorded.variables}
+    raw = [x for x in self.leaves if isinstance(x, tf.Variable)]
+    raw += [v for v in watched if isinstance(v, tf.Variable)]
+    for v in raw:
+      if id(v) not in keras_backing and id(v) not in seen:
+        seen.add(id(v))
+        if _is_differentiable(v):
+          read = v.value()
+          if not self.eager or _is_recorded(read):
+            sources.append(_Source("raw", read, variable=v))
+    graph = None if self.eager else tf.compat.v1.get_default_graph()
+    for t in ops.external_tensors():
+      if self.eager or (t.graph is graph and t.op.type != "Const"):
+        add("closure", t)
+    self.sources = sources
+    return sources
 
+  def _grad_fn(self, *dys):
+    if not self.connected:
+      # Every gradient traversal reaches an output's marker first; only a
+      # forward accumulator, transposing this function as it is recorded,
+      # calls it directly. Its transposition sees the rerun's gradient as
+      # unconnected and would give zero JVPs.
+      raise state.UnreplayableOpError(
+          "Forward-mode differentiation (tf.autodiff.ForwardAccumulator) of "
+          "a rematerialized function is not supported: its JVPs would be "
+          "silently zero. Compute JVPs of the function without "
+          "rematerialization (forward mode keeps no activations for a "
+          "backward pass, so it gains nothing from it).")
+    # Only the outputs this traversal reached count.
+    dys = [dy if i in self.connected else None for i, dy in enumerate(dys)]
+    self.connected.clear()
+    if all(dy is None for dy in dys):
+      return [None] * len(self.sources)
+    if self.eager:
+      return self._eager_backward(dys)
+    return self._graph_backward(dys)
 
-def _rerun_and_differentiate(call_fn, values, tensor_ids, diff_ids,
-                             state_variables, variables, gate, inputs, dys,
-                             seed, global_step, state_before):
-  """The backward pass, traced as a graph function: rerun, then tf.gradients."""
-  if gate is not None:
-    # The seeds and state are gated too: otherwise XLA common-subexpression
-    # eliminates the rerun's random draws (e.g. dropout masks) with the forward
-    # pass's and keeps every mask alive until the backward pass.
-    inputs, seed, global_step, state_before = tf.nest.map_structure(
-        lambda t: _gate(t, gate), (inputs, seed, global_step, state_before))
-  values = list(values)
-  for i, x in zip(tensor_ids, inputs):
-    values[i] = x
-  with step_seed.replaying(seed, global_step):
-    with state.replaying(state_variables, state_before) as losses:
-      outputs = call_fn(values)
-  ys = [tf.convert_to_tensor(y) for y in tf.nest.flatten(outputs)] + losses
-  pairs = [(y, dy) for y, dy in zip(ys, dys)
-           if dy is not None and _is_differentiable(y)]
-  targets = [values[i] for i in diff_ids] + variables
-  if not pairs:
-    grads = [None] * len(targets)
-  else:
-    grads = tf.gradients(
-        [y for y, _ in pairs], targets, grad_ys=[dy for _, dy in pairs],
+  def _eager_backward(self, dys):
+    for s in self.sources:
+      if s.kind == "raw" and not bool(
+          tf.reduce_all(tf.equal(s.variable.value(), s.tensor))):
+        raise RerunMismatchError(
+            f"The tf.Variable '{s.variable.name}' changed between the forward "
+            "and the backward pass of a rematerialized call (e.g. an assign "
+            "between two gradient calls on a persistent tape). Eager "
+            "rematerialization rereads tf.Variables and would differentiate "
+            "against the new value. Use a keras.Variable (its forward-time "
+            "value is replayed), run the step in a tf.function, or take the "
+            "gradients before changing the variable.")
+    with tf.GradientTape(watch_accessed_variables=False) as tape:
+      tape.watch([s.variable if s.kind == "raw" else s.tensor
+                  for s in self.sources])
+      outputs, losses = self._rerun(self.leaves, self.keras_values,
+                                    self.seed, self.global_step)
+    ys, dys = self._checked_targets(outputs, losses, dys)
+    return tape.gradient(
+        ys, [s.variable if s.kind == "raw" else s.tensor
+             for s in self.sources], output_gradients=dys,
         unconnected_gradients=tf.UnconnectedGradients.NONE)
-  return grads[:len(diff_ids)], grads[len(diff_ids):]
+
+  def _graph_backward(self, dys):
+    gate = _gradient_gate(dys)
+    gated = (lambda t: t) if gate is None else (lambda t: _gate(t, gate))
+    # The seeds and state are gated too: otherwise XLA common-subexpression
+    # eliminates the rerun's random draws (e.g. dropout masks) with the
+    # forward pass's and keeps every mask alive until the backward pass.
+    leaves = [gated(x) if isinstance(x, tf.Tensor) else x for x in self.leaves]
+    values = [v if variable.trainable else gated(v)
+              for variable, v in zip(self.keras_variables, self.keras_values)]
+    targets = []
+    for s in self.sources:
+      if s.kind == "input":
+        targets.append(leaves[s.index])
+      elif s.kind == "keras":
+        targets.append(values[s.index])
+      elif s.kind == "raw":
+        # The handle: the rerun's dense reads are replaced by the forward
+        # read, which the handle feeds, and its sparse reads (ResourceGather)
+        # take the handle directly.
+        targets.append(_in_graph(s.variable.handle,
+                                 tf.compat.v1.get_default_graph()))
+      else:
+        targets.append(s.tensor)
+    reads = [(s.variable, s.tensor) for s in self.sources if s.kind == "raw"]
+    with _forward_reads(reads):
+      outputs, losses = self._rerun(leaves, values, gated(self.seed),
+                                    gated(self.global_step))
+    ys, dys = self._checked_targets(outputs, losses, dys)
+    return tf.gradients(ys, targets, grad_ys=dys,
+                        unconnected_gradients=tf.UnconnectedGradients.NONE)
+
+  def _rerun(self, leaves, keras_values, seed, global_step):
+    with self.context, step_seed.replaying(seed, global_step):
+      with state.replaying(self.keras_variables, keras_values) as losses:
+        outputs = self.call(leaves)
+    return outputs, losses
+
+  def _checked_targets(self, outputs, losses, dys):
+    """The rerun's differentiable outputs paired with their gradients."""
+    flat = tf.nest.flatten(outputs)
+    if self.determinism_check != "none":
+      self._check_rerun(outputs, flat, losses)
+    ys = [flat[i] for i in self.attached] + list(losses)
+    pairs = [(y, dy) for y, dy in zip(ys, dys) if dy is not None]
+    return [y for y, _ in pairs], [dy for _, dy in pairs]
+
+  def _check_rerun(self, outputs, flat, losses):
+    problem = None
+    try:
+      tf.nest.assert_same_structure(outputs, self.structure)
+    except (TypeError, ValueError) as e:
+      problem = f"a different structure ({e})"
+    if problem is None and len(losses) != len(self.losses):
+      problem = (f"{len(losses)} add_loss loss(es) where the forward pass "
+                 f"added {len(self.losses)}")
+    for n, (i, (dtype, shape)) in enumerate(zip(self.attached, self.specs)):
+      if problem is not None:
+        break
+      y = flat[i]
+      if not isinstance(y, tf.Tensor) or y.dtype != dtype:
+        problem = (f"output {i} as {getattr(y, 'dtype', type(y).__name__)} "
+                   f"where the forward pass gave {dtype.name}")
+      elif not y.shape.is_compatible_with(shape):
+        problem = (f"output {i} with shape {y.shape} where the forward pass "
+                   f"gave {shape}")
+      elif self.forward_values is not None:
+        problem = _compare_values(i, y, self.forward_values[n])
+    if problem is not None:
+      raise RerunMismatchError(
+          f"The backward-pass rerun of a rematerialized function returned "
+          f"{problem}. The function must compute the same thing every time "
+          "it is called with the same inputs, state and seeds (no Python-side "
+          "randomness, counters or caches deciding what it computes); "
+          "otherwise its gradients would be silently wrong.")
+
+
+def _compare_values(index, rerun, forward):
+  """A mismatch description when the rerun's values differ, else None."""
+  # Kernels may fuse the rerun differently from the forward pass, so equal
+  # means equal to float rounding, relative to the tensor's scale.
+  if tf.executing_eagerly():
+    a, b = rerun.numpy(), forward.numpy()
+    scale = float(np.max(np.abs(b))) if b.size else 0.0
+    if not np.allclose(a, b, rtol=1e-5, atol=1e-6 + 1e-5 * scale,
+                       equal_nan=True):
+      return f"output {index} with different values"
+    return None
+  a, b = tf.cast(rerun, tf.float64), tf.cast(forward, tf.float64)
+  scale = tf.reduce_max(tf.abs(b)) if b.shape.num_elements() else 0.0
+  tf.debugging.assert_less_equal(
+      tf.abs(a - b), 1e-6 + 1e-5 * scale + 1e-5 * tf.abs(b),
+      message=(f"The backward-pass rerun of a rematerialized function returned "
+               f"output {index} with different values (determinism_check="
+               "'values')."))
+  return None
+
+
+def _is_recorded(tensor):
+  """Whether a gradient tape or a forward accumulator watches `tensor`."""
+  if record.should_record_backprop([tensor]):
+    return True
+  indices, _ = pywrap_tfe.TFE_Py_PackJVPs([tensor])
+  return bool(indices)
+
+
+class _Source:
+  """Something the rerun reads and the gradient may be asked for."""
+
+  def __init__(self, kind, tensor, index=None, variable=None):
+    self.kind = kind  # "input", "keras", "raw" or "closure".
+    self.tensor = tensor
+    self.index = index
+    self.variable = variable
+
+
+class _forward_reads:
+  """In a graph, reads of raw tf.Variables give their forward-time values.
+
+  An op callback may replace the outputs of an op being added to a graph;
+  here, each `ReadVariableOp` of a variable in `reads` ((variable,
+  forward-time read) pairs) returns that read instead, so an assignment between the two passes
+  changes nothing, as without rematerialization.
+  """
+
+  def __init__(self, reads):
+    self._reads = reads
+    self._handles = {}
+
+  def _handle_ids(self, graph):
+    if graph not in self._handles:
+      ids = {}
+      for variable, read in self._reads:
+        ids[id(_in_graph(variable.handle, graph))] = read
+      self._handles[graph] = ids
+    return self._handles[graph]
+
+  def _callback(self, op_type, inputs, attrs, outputs, op_name=None,
+                graph=None):
+    del attrs, op_name
+    # Returns `outputs` when not replacing them: TensorFlow passes each
+    # callback's return value on to the next as the op's outputs.
+    if op_type != "ReadVariableOp" or graph is None:
+      return outputs
+    read = self._handle_ids(graph).get(id(inputs[0]))
+    return outputs if read is None else [_in_graph(read, graph)]
+
+  def __enter__(self):
+    if self._reads:
+      op_callbacks.add_op_callback(self._callback)
+    return self
+
+  def __exit__(self, *args):
+    if self._reads:
+      op_callbacks.remove_op_callback(self._callback)
+
+
+def _in_graph(tensor, graph):
+  """`tensor` as seen from `graph`: itself, or the graph's capture of it."""
+  if tf.is_symbolic_tensor(tensor) and tensor.graph is graph:
+    return tensor
+  return graph.capture(tensor) if hasattr(graph, "capture") else tensor
 
 
 def rematerialize(fn):
   """Decorator form of `RematerializeFn`.
 
-  Positional arguments are the (differentiated) inputs; keyword arguments are
-  bound as Python values, so `training=True`, `mask=...` and the like work in
-  eager mode and inside `tf.function` alike. Keyword arguments receive no
-  gradient.
+  Arguments are passed as they are: tensors, positional or keyword, are
+  differentiated, and Python values such as `training=True` or `mask=None`
+  reach `fn` unchanged, in eager mode and inside `tf.function` alike.
 
   Example:
 
@@ -287,8 +569,6 @@ def rematerialize(fn):
 
   @functools.wraps(fn)
   def wrapper(*args, **kwargs):
-    if kwargs:
-      return RematerializeFn(functools.partial(fn, **kwargs), *args)
-    return RematerializeFn(fn, *args)
+    return RematerializeFn(lambda a, k: fn(*a, **k), args, kwargs)
 
   return wrapper

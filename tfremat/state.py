@@ -10,13 +10,16 @@ updates are applied, once. The backward-pass rerun runs in a
 forward pass read (the same dropout masks) and its own updates are discarded.
 
 What cannot be replayed this way is refused while the forward pass runs:
-stateful random ops and direct writes to `tf.Variable`s (`unreplayable_ops`).
+stateful random ops, direct writes to `tf.Variable`s and gradient tapes opened
+inside the block (`ForwardOps`).
 """
 
 import contextlib
+import threading
 
 import keras
 import tensorflow as tf
+from tensorflow.python.eager import backprop
 from tensorflow.python.framework import op_callbacks
 
 # Stateful random op types, with the public API that creates each.
@@ -89,28 +92,87 @@ def _check_op(op_type, op_name):
         f"{op_type}{where}). {_VARIABLE_FIX}")
 
 
-@contextlib.contextmanager
-def unreplayable_ops():
-  """Raises `UnreplayableOpError` when the block runs or builds such an op.
+_forward_depth = threading.local()
 
-  Op callbacks see ops as they are added to a graph being traced (before
-  anything runs) and, in eager mode, right after each op executed, so one
-  check covers eager mode and `tf.function`. An eager direct tf.Variable write
-  has therefore happened once when the error is raised; no other state has
-  changed, since `RecordingScope` defers Keras variable updates.
+
+def _in_forward():
+  return getattr(_forward_depth, "value", 0) > 0
+
+
+class ForwardOps:
+  """Watches every op the forward pass runs or builds, through an op callback.
+
+  It refuses unreplayable ops, and finds the tensors the block reads that it
+  neither received as inputs nor computed: closure captures, which need a
+  gradient as much as the inputs do. Op callbacks see ops as they are added to
+  a graph being traced (before anything runs) and, in eager mode, right after
+  each op executed, so one check covers eager mode and `tf.function`. An eager
+  direct tf.Variable write has therefore happened once when the error is
+  raised; no other state has changed, since `RecordingScope` defers Keras
+  variable updates.
   """
 
-  # A new callback per block: nested rematerialized calls each add and remove
-  # their own (TensorFlow keeps one registration per callback object).
-  def callback(op_type, inputs, attrs, outputs, op_name=None, graph=None):
-    del inputs, attrs, outputs, graph  # Only the op's identity matters.
-    _check_op(op_type, op_name)
+  def __init__(self, inputs):
+    self._seen = {id(t) for t in inputs}
+    self._external = {}  # id -> tensor, in first-use order.
 
-  op_callbacks.add_op_callback(callback)
-  try:
-    yield
-  finally:
-    op_callbacks.remove_op_callback(callback)
+  def external_tensors(self):
+    """Tensors the block read but did not receive or compute, in use order."""
+    return list(self._external.values())
+
+  def _callback(self, op_type, inputs, attrs, outputs, op_name=None,
+                graph=None):
+    del attrs, graph  # Only the op's identity and tensors matter.
+    _check_op(op_type, op_name)
+    for t in inputs:
+      if id(t) not in self._seen:
+        self._seen.add(id(t))
+        self._external[id(t)] = t
+    self._seen.update(id(t) for t in outputs or ())
+    # TensorFlow hands each callback the previous one's return value as
+    # `outputs`: returning None would hide the op's outputs from the next.
+    return outputs
+
+  def __enter__(self):
+    _install_tape_guard()
+    # A new callback per block: nested rematerialized calls each add and
+    # remove their own (TensorFlow keeps one registration per callback).
+    op_callbacks.add_op_callback(self._callback)
+    _forward_depth.value = getattr(_forward_depth, "value", 0) + 1
+    return self
+
+  def __exit__(self, *args):
+    _forward_depth.value -= 1
+    op_callbacks.remove_op_callback(self._callback)
+
+
+_TAPE_FIX = (
+    "The forward pass of a rematerialized function runs with gradient "
+    "recording stopped, so a tf.GradientTape opened inside it would record "
+    "nothing and its gradients would be missing or silently zero. Compute "
+    "the inner gradient outside the rematerialized function (e.g. "
+    "rematerialize the function whose gradient you take, not the one that "
+    "takes it), or use tf.gradients inside tf.function.")
+
+
+def _install_tape_guard():
+  """Makes a GradientTape opened inside a forward pass raise, once per process.
+
+  Installed once and left in place: it only reads a thread-local depth, so
+  it costs nothing outside a forward pass and is safe across threads.
+  """
+  if getattr(backprop.GradientTape.__enter__, "_tfremat_guard", False):
+    return
+  original = backprop.GradientTape.__enter__
+
+  def guarded_enter(self):
+    if _in_forward():
+      raise UnreplayableOpError(
+          f"The rematerialized function opens a tf.GradientTape. {_TAPE_FIX}")
+    return original(self)
+
+  guarded_enter._tfremat_guard = True  # pylint: disable=protected-access
+  backprop.GradientTape.__enter__ = guarded_enter
 
 
 def _num_uninitialized():
@@ -140,10 +202,18 @@ class _NestedScope(keras.StatelessScope):
 
 
 class RecordingScope(_NestedScope):
-  """A StatelessScope that also remembers which variables were assigned."""
+  """A StatelessScope that records which variables the block reads or writes.
+
+  The rerun must read every Keras variable as the forward pass read it: its
+  value may change between the two passes (the forward's own deferred
+  updates, an optimizer step or an `assign` between two `tape.gradient`
+  calls). So the first touch of each variable is remembered, with the value
+  an enclosing scope gave it, if any.
+  """
 
   def __init__(self, **kwargs):
     super().__init__(collect_losses=True, **kwargs)
+    self.touched = {}  # id -> (variable, enclosing scope's value or None).
     self.updated = {}  # id -> variable, in first-assignment order.
     self._uninitialized_at_entry = 0
 
@@ -157,6 +227,16 @@ class RecordingScope(_NestedScope):
     self.created_variables = _num_uninitialized() > self._uninitialized_at_entry
     return super().__exit__(*args)
 
+  def _touch(self, variable):
+    if id(variable) not in self.touched:
+      outer = getattr(self, "original_scope", None)
+      value = None if outer is None else outer.get_current_value(variable)
+      self.touched[id(variable)] = (variable, value)
+
+  def get_current_value(self, variable):
+    self._touch(variable)
+    return super().get_current_value(variable)
+
   def add_update(self, update):
     variable = update[0]
     if variable.trainable:
@@ -165,6 +245,7 @@ class RecordingScope(_NestedScope):
           f"'{variable.path}'. Its gradient would be computed against the "
           "assigned value in the backward pass. Assign trainable variables "
           "outside the rematerialized function.")
+    self._touch(variable)
     self.updated.setdefault(id(variable), variable)
     super().add_update(update)
 
@@ -173,16 +254,22 @@ class ForwardState:
   """What the forward pass read and wrote, for one rematerialized call."""
 
   def __init__(self, scope):
-    self.variables = list(scope.updated.values())
-    # The variables still hold their pre-call values: the scope deferred the
-    # assignments. These are what the rerun must read.
-    self.before = [read_value(v) for v in self.variables]
-    self.after = [scope.get_current_value(v) for v in self.variables]
+    touched = list(scope.touched.values())
+    self.variables = [v for v, _ in touched]
+    # The variables still hold their pre-call values (the scope deferred the
+    # assignments); these, or an enclosing rerun's replayed values, are what
+    # the rerun must read. Reads share the variable's buffer until it is
+    # next written, so holding them costs memory only when a variable does
+    # change before the backward pass, which is when the copy is needed.
+    self.before = [read_value(v) if outer is None else outer
+                   for v, outer in touched]
+    self.updated = list(scope.updated.values())
+    self.after = [scope.state_mapping[id(v)] for v in self.updated]
     self.losses = list(scope.losses)
 
   def apply_updates(self):
     """Applies the forward pass's variable updates (once)."""
-    for variable, value in zip(self.variables, self.after):
+    for variable, value in zip(self.updated, self.after):
       variable.assign(value)
 
 
