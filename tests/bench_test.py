@@ -25,14 +25,23 @@ def _rows(table):
   return {l[:20].strip(): l[20:].split() for l in lines[start:] if l.strip()}
 
 
-def test_methods_table_shows_tfremat_exact_and_recompute_grad_wrong():
-  rows = _rows(_bench(*_SMALL))
+# Columns after the method: peak MiB, x none, step ms, x none, max |grad -
+# none|, first call ms.
+_GRAD_ERROR, _FIRST_CALL = -2, -1
+
+
+@pytest.mark.parametrize("mode", [[], ["--eager"]], ids=["function", "eager"])
+def test_methods_table_shows_tfremat_exact_and_recompute_grad_wrong(mode):
+  text = _bench(*_SMALL, *mode)
+  assert ("eager," if mode else "tf.function,") in text
+  rows = _rows(text)
   assert set(rows) == {"none", "tf.recompute_grad", "keras.remat", "tfremat",
                        "tfremat.layer"}
-  grad_error = {k: float(v[-1]) for k, v in rows.items()}
+  grad_error = {k: float(v[_GRAD_ERROR]) for k, v in rows.items()}
   assert grad_error["tfremat"] == grad_error["tfremat.layer"] == 0
   assert grad_error["tf.recompute_grad"] > 1e-3  # A new dropout mask.
   assert float(rows["tfremat"][1]) < 1.0  # Peak ratio to none.
+  assert all(float(v[_FIRST_CALL]) > 0 for v in rows.values())
 
 
 def test_sweep_writes_table_csv_and_plot(tmp_path):
@@ -64,3 +73,7 @@ def test_help_and_bad_flags():
       [sys.executable, "-m", "tfremat.bench", "--methods=bogus"],
       capture_output=True, text=True, timeout=300)
   assert proc.returncode != 0 and "Unknown --methods" in proc.stderr
+  proc = subprocess.run(
+      [sys.executable, "-m", "tfremat.bench", "--eager", "--jit"],
+      capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0 and "exclude each other" in proc.stderr

@@ -10,6 +10,9 @@ import functools
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Memory tests read the allocator's statistics, kept on the CPU by the BFC
+# allocator only; TensorFlow starts below, before tfremat could set it.
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 import numpy as np  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top

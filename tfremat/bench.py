@@ -2,6 +2,7 @@
 
   python -m tfremat.bench                      # residual MLP, tf.function
   python -m tfremat.bench --jit                # tf.function(jit_compile=True)
+  python -m tfremat.bench --eager              # no tf.function: eager mode
   python -m tfremat.bench --model transformer  # causal transformer LM
   python -m tfremat.bench --budget-fraction 0.5  # the planner at 50% peak
   python -m tfremat.bench --sweep --csv sweep.csv --plot sweep.png
@@ -17,7 +18,8 @@ per process) on the same model, weights, batch and dropout seeds:
 
 Peak memory is the allocator's peak during one training step above what was
 allocated just before it (weights and the batch are not counted; activations,
-temporaries and gradients are). Step time is the median over --steps calls.
+temporaries and gradients are). Step time is the median over --steps calls;
+the first call, which traces (and compiles, with --jit), is timed apart.
 The gradient error is the largest absolute difference from the `none`
 method's gradients, with dropout active.
 
@@ -57,6 +59,8 @@ def define_flags():
   flags.DEFINE_enum("model", "mlp", sorted(DEFAULTS),
                     "mlp: residual MLP blocks; transformer: causal LM blocks.")
   flags.DEFINE_bool("jit", False, "Compile the training step with XLA.")
+  flags.DEFINE_bool("eager", False,
+                    "Run the training step eagerly, without tf.function.")
   flags.DEFINE_integer("blocks", None, "Blocks (default: per model).")
   flags.DEFINE_integer("width", None, "Model width (default: per model).")
   flags.DEFINE_integer("batch", None, "Batch size (default: per model).")
@@ -101,13 +105,22 @@ def wrap(method, block):
       f"Unknown method {method!r}; choose from {', '.join(METHODS)}.")
 
 
-def residual_step(blocks, method, jit):
+def _compiled(step, jit, eager):
+  """`step` as a tf.function (XLA-compiled with `jit`), or eager."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  if eager:
+    if jit:
+      raise ValueError("--eager and --jit exclude each other.")
+    return step
+  return tf.function(step, jit_compile=jit)
+
+
+def residual_step(blocks, method, jit, eager=False):
   """A training step over residual MLP blocks: the loss gradients."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   calls = [wrap(method, b) for b in blocks]
   variables = [v for b in blocks for v in b.trainable_weights]
 
-  @tf.function(jit_compile=jit)
   def step(x):
     with tf.GradientTape() as tape:
       tape.watch(x)
@@ -117,10 +130,10 @@ def residual_step(blocks, method, jit):
       loss = tf.reduce_mean(h * h)
     return tape.gradient(loss, [x] + variables)
 
-  return step
+  return _compiled(step, jit, eager)
 
 
-def transformer_step(parts, method, jit):
+def transformer_step(parts, method, jit, eager=False):
   """A language-model training step over transformer blocks: the gradients."""
   import keras  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -130,7 +143,6 @@ def transformer_step(parts, method, jit):
                for v in m.trainable_weights]
   loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
-  @tf.function(jit_compile=jit)
   def step(tokens):
     with tf.GradientTape() as tape:
       h = embed(tokens[:, :-1])
@@ -139,10 +151,10 @@ def transformer_step(parts, method, jit):
       loss = loss_fn(tokens[:, 1:], head(h))
     return tape.gradient(loss, variables)
 
-  return step
+  return _compiled(step, jit, eager)
 
 
-def make_step(model, method, jit, sizes, dropout):
+def make_step(model, method, jit, sizes, dropout, eager=False):
   """The model's training step under `method`, and its input batch."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tfremat import models  # pylint: disable=g-import-not-at-top
@@ -150,11 +162,11 @@ def make_step(model, method, jit, sizes, dropout):
     blocks = models.residual_mlp(sizes["blocks"], sizes["width"], dropout)
     x = tf.random.stateless_normal([sizes["batch"], sizes["width"]],
                                    seed=[1, 2])
-    return residual_step(blocks, method, jit), x
+    return residual_step(blocks, method, jit, eager), x
   parts = models.transformer_parts(
       sizes["vocab"], sizes["seq_len"] - 1, sizes["width"], sizes["heads"],
       sizes["blocks"], dropout)
-  return transformer_step(parts, method, jit), _tokens(sizes)
+  return transformer_step(parts, method, jit, eager), _tokens(sizes)
 
 
 def _tokens(sizes):
@@ -331,6 +343,14 @@ def peak_step_bytes(step, *args, calls=1):
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   device = memory_device()
+  try:
+    tf.config.experimental.get_memory_info(device)
+  except ValueError as e:
+    raise RuntimeError(
+        f"TensorFlow keeps no allocator statistics for {device}, so a step's "
+        "peak cannot be measured. On the CPU they need the BFC allocator: "
+        "set TF_CPU_ALLOCATOR_USE_BFC=true in the environment, or import "
+        "tfremat before TensorFlow runs its first op.") from e
   peaks = []
   for _ in range(calls):
     tf.config.experimental.reset_memory_stats(device)
@@ -342,6 +362,10 @@ def peak_step_bytes(step, *args, calls=1):
   return max(peaks)
 
 
+def _mode_name():
+  return "eager" if FLAGS.eager else "XLA" if FLAGS.jit else "tf.function"
+
+
 def _sizes():
   return {k: (getattr(FLAGS, k) if getattr(FLAGS, k) is not None else v)
           for k, v in DEFAULTS[FLAGS.model].items()}
@@ -350,11 +374,13 @@ def _sizes():
 def _run_worker(method, out):
   """Measures one method in this process and writes the results to `out`."""
   step, batch = make_step(FLAGS.model, method, FLAGS.jit, _sizes(),
-                          FLAGS.dropout)
+                          FLAGS.dropout, FLAGS.eager)
   # The first call traces; its gradients (same weights and seed states in
   # every process) are the ones compared across methods.
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  start = time.perf_counter()
   grads = [np.asarray(tf.convert_to_tensor(g)) for g in step(batch)]
+  first_call = time.perf_counter() - start
   peak = peak_step_bytes(step, batch)
   times = []
   for _ in range(FLAGS.steps):
@@ -363,12 +389,14 @@ def _run_worker(method, out):
     times.append(time.perf_counter() - start)
   np.savez(out + ".npz", *grads)
   with open(out, "w") as f:
-    json.dump({"peak_bytes": int(peak), "step_seconds": times}, f)
+    json.dump({"peak_bytes": int(peak), "step_seconds": times,
+               "first_call_seconds": first_call}, f)
 
 
 def _run_method(method, out):
   args = [sys.executable, "-m", "tfremat.bench", f"--worker={method}",
           f"--out={out}", f"--model={FLAGS.model}", f"--jit={FLAGS.jit}",
+          f"--eager={FLAGS.eager}",
           f"--dropout={FLAGS.dropout}", f"--steps={FLAGS.steps}"]
   args += [f"--{k}={v}" for k, v in _sizes().items()]
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
@@ -387,7 +415,7 @@ def format_table(results):
   """The results as a text table, ratios relative to the `none` method."""
   base = results.get("none")
   header = (f"{'method':<20}{'peak MiB':>10}{'x none':>8}{'step ms':>10}"
-            f"{'x none':>8}{'max |grad - none|':>20}")
+            f"{'x none':>8}{'max |grad - none|':>20}{'first call ms':>15}")
   lines = [header, "-" * len(header)]
   for method, r in results.items():
     peak = r["peak_bytes"] / 2**20
@@ -402,7 +430,8 @@ def format_table(results):
                  for a, b in zip(r["grads"], base["grads"]))
       diff = f"{diff:.3g}"
     lines.append(f"{method:<20}{peak:>10.1f}{ratios[0]:>8}{ms:>10.1f}"
-                 f"{ratios[1]:>8}{diff:>20}")
+                 f"{ratios[1]:>8}{diff:>20}"
+                 f"{1000 * r['first_call_seconds']:>15.1f}")
   return "\n".join(lines)
 
 
@@ -411,12 +440,17 @@ def main(argv):
   if FLAGS.worker:
     _run_worker(FLAGS.worker, FLAGS.out)
     return
+  if FLAGS.eager and FLAGS.jit:
+    raise app.UsageError("--eager and --jit exclude each other: pick one.")
   unknown = set(FLAGS.methods) - set(METHODS)
   if unknown:
     raise app.UsageError(
         f"Unknown --methods {sorted(unknown)}; choose from {', '.join(METHODS)}.")
   import keras  # pylint: disable=g-import-not-at-top
   if FLAGS.sweep or FLAGS.budget_fraction is not None:
+    if FLAGS.eager:
+      raise app.UsageError("--eager is for the per-method table; the sweep "
+                           "and the planner measure traced steps.")
     if FLAGS.budget_fraction is not None and not 0 < FLAGS.budget_fraction:
       raise app.UsageError("--budget-fraction must be positive, e.g. 0.5.")
     fractions = ([0.3, 0.5, 0.8, 1.0] if FLAGS.sweep else
@@ -438,7 +472,7 @@ def main(argv):
   progress = keras.utils.Progbar(len(methods), unit_name="method")
   sizes = ", ".join(f"{k} {v}" for k, v in _sizes().items())
   print(f"{FLAGS.model}: {sizes}, dropout {FLAGS.dropout}, "
-        f"{'XLA' if FLAGS.jit else 'tf.function'}, {FLAGS.steps} timed steps")
+        f"{_mode_name()}, {FLAGS.steps} timed steps")
   results = {}
   with tempfile.TemporaryDirectory() as tmp:
     for i, method in enumerate(methods):

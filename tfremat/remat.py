@@ -80,7 +80,13 @@ class _ForwardContext:
     self._autograph = ag_ctx.control_status_ctx()
 
   def convert(self, fn):
-    """`fn` with the forward pass's AutoGraph conversion, for both passes."""
+    """`fn` with the forward pass's AutoGraph conversion, for both passes.
+
+    Converted only where the caller's own code is (inside a tf.function
+    with AutoGraph on), as a plain call of `fn` there would be.
+    """
+    if self._autograph.status != ag_ctx.Status.ENABLED:
+      return fn
     return autograph.tf_convert(fn, self._autograph)
 
   def __enter__(self):
@@ -266,8 +272,13 @@ class _Call:
     def attach(*unused_sources):
       return [flat[i] for i in self.attached] + self.losses, self._grad_fn
 
-    # Before the updates: attaching raises under a forward accumulator.
-    results = attach(*[s.tensor for s in sources])
+    # A forward accumulator calls the gradient function while the call is
+    # being recorded; that raises, so before any update is applied.
+    self.attaching = True
+    try:
+      results = attach(*[s.tensor for s in sources])
+    finally:
+      self.attaching = False
     recorded.apply_updates()
     results = [_mark_connected(y, i, self.connected)
                for i, y in enumerate(results)]
@@ -342,20 +353,22 @@ class _Call:
     return sources
 
   def _grad_fn(self, *dys):
-    if not self.connected:
-      # Every gradient traversal reaches an output's marker first; only a
-      # forward accumulator, transposing this function as it is recorded,
-      # calls it directly. Its transposition sees the rerun's gradient as
-      # unconnected and would give zero JVPs.
+    if self.attaching:
+      # A forward accumulator transposes this function as it is recorded;
+      # its transposition sees the rerun's gradient as unconnected and would
+      # give zero JVPs.
       raise state.UnreplayableOpError(
           "Forward-mode differentiation (tf.autodiff.ForwardAccumulator) of "
           "a rematerialized function is not supported: its JVPs would be "
           "silently zero. Compute JVPs of the function without "
           "rematerialization (forward mode keeps no activations for a "
           "backward pass, so it gains nothing from it).")
-    # Only the outputs this traversal reached count.
-    dys = [dy if i in self.connected else None for i, dy in enumerate(dys)]
-    self.connected.clear()
+    if self.connected:
+      # A traversal from a loss reaches the outputs' markers first: only the
+      # outputs it reached count. (Called directly, e.g. by SavedModel
+      # tracing the gradient, every output counts.)
+      dys = [dy if i in self.connected else None for i, dy in enumerate(dys)]
+      self.connected.clear()
     if all(dy is None for dy in dys):
       return [None] * len(self.sources)
     if self.eager:
