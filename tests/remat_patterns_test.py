@@ -499,3 +499,20 @@ def test_non_tensor_outputs_pass_through(device, mode):
   with tf.device(device):
     inputs = (_x(3), _x(3, seed=1), _x(3, seed=2))
   assert_parity(call, inputs, [], mode, device)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_generator_draw_is_refused_and_leaves_its_state(mode):
+  # [13] In eager mode the op callback runs after the draw; the generator's
+  # state is put back before the error reaches the caller.
+  generator = tf.random.Generator.from_seed(7)
+  before = generator.state.numpy().copy()
+  step = compile_step(lambda x: tfremat.RematerializeFn(
+      lambda v: v + generator.normal(tf.shape(v)), x), mode)
+  with pytest.raises(tfremat.UnreplayableOpError, match="tf.random.Generator"):
+    step(tf.ones([2, 3]))
+  np.testing.assert_array_equal(generator.state.numpy(), before)
+  # The generator still draws what it would have drawn.
+  np.testing.assert_array_equal(
+      generator.normal([3]).numpy(),
+      tf.random.Generator.from_seed(7).normal([3]).numpy())

@@ -7,8 +7,8 @@
   python -m tfremat.bench --budget-fraction 0.5  # the planner at 50% peak
   python -m tfremat.bench --sweep --csv sweep.csv --plot sweep.png
 
-Each method runs in its own process (allocator statistics and XLA caches are
-per process) on the same model, weights, batch and dropout seeds:
+Every method runs in one process on the same model, weights, batch and
+dropout seeds:
 
   none               no rematerialization
   tf.recompute_grad  TensorFlow's built-in
@@ -18,7 +18,8 @@ per process) on the same model, weights, batch and dropout seeds:
 
 Peak memory is the allocator's peak during one training step above what was
 allocated just before it (weights and the batch are not counted; activations,
-temporaries and gradients are). Step time is the median over --steps calls;
+temporaries and gradients are), the largest over 5 calls. Step time is the
+median over --steps rounds, each calling every method once in shuffled order;
 the first call, which traces (and compiles, with --jit), is timed apart.
 The gradient error is the largest absolute difference from the `none`
 method's gradients, with dropout active.
@@ -29,11 +30,6 @@ in one process: uniform schemes (every block, every 2nd or 4th block, about
 sqrt(n) segments) and the planner at fractions of the measured no-remat peak.
 """
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
 import time
 
 from absl import app
@@ -68,7 +64,7 @@ def define_flags():
   flags.DEFINE_integer("heads", None, "Transformer attention heads.")
   flags.DEFINE_integer("vocab", None, "Transformer vocabulary size.")
   flags.DEFINE_float("dropout", 0.1, "Dropout rate inside every block.")
-  flags.DEFINE_integer("steps", 10, "Timed steps per method.")
+  flags.DEFINE_integer("steps", 10, "Timed rounds (one step per method).")
   flags.DEFINE_list("methods", list(METHODS), "Methods to run.")
   flags.DEFINE_float("budget_fraction", None,
                      "Run the planner at this fraction of the measured "
@@ -81,8 +77,6 @@ def define_flags():
   flags.DEFINE_string("plot", "sweep.png",
                       "Where --sweep draws its plot (needs matplotlib: "
                       "pip install .[bench]).")
-  flags.DEFINE_string("worker", None, "Internal: run one method, write JSON.")
-  flags.DEFINE_string("out", None, "Internal: the worker's output path.")
 
 def wrap(method, block):
   """`block`'s training-mode call, rematerialized by `method` (see METHODS)."""
@@ -371,44 +365,39 @@ def _sizes():
           for k, v in DEFAULTS[FLAGS.model].items()}
 
 
-def _run_worker(method, out):
-  """Measures one method in this process and writes the results to `out`."""
-  step, batch = make_step(FLAGS.model, method, FLAGS.jit, _sizes(),
-                          FLAGS.dropout, FLAGS.eager)
-  # The first call traces; its gradients (same weights and seed states in
-  # every process) are the ones compared across methods.
+def measure_methods(methods, progress=None):
+  """Peak, first call, gradients and step times of each method, in this
+  process.
+
+  Every method builds the same model (same weights and dropout seeds). A
+  throwaway step runs first, so that TensorFlow's one-time start-up costs
+  fall on no method's first call. Step times are medians over rounds that
+  call every method once, in shuffled order (`planner.median_seconds`), so a
+  drift in the machine's speed touches all methods alike.
+  """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  start = time.perf_counter()
-  grads = [np.asarray(tf.convert_to_tensor(g)) for g in step(batch)]
-  first_call = time.perf_counter() - start
-  peak = peak_step_bytes(step, batch)
-  times = []
-  for _ in range(FLAGS.steps):
+  from tfremat import planner  # pylint: disable=g-import-not-at-top
+  make = lambda method: make_step(FLAGS.model, method, FLAGS.jit, _sizes(),
+                                  FLAGS.dropout, FLAGS.eager)
+  warm_step, batch = make("none")
+  warm_step(batch)
+  results, steps = {}, []
+  for method in methods:
+    step, batch = make(method)
     start = time.perf_counter()
-    np.asarray(step(batch)[0])
-    times.append(time.perf_counter() - start)
-  np.savez(out + ".npz", *grads)
-  with open(out, "w") as f:
-    json.dump({"peak_bytes": int(peak), "step_seconds": times,
-               "first_call_seconds": first_call}, f)
-
-
-def _run_method(method, out):
-  args = [sys.executable, "-m", "tfremat.bench", f"--worker={method}",
-          f"--out={out}", f"--model={FLAGS.model}", f"--jit={FLAGS.jit}",
-          f"--eager={FLAGS.eager}",
-          f"--dropout={FLAGS.dropout}", f"--steps={FLAGS.steps}"]
-  args += [f"--{k}={v}" for k, v in _sizes().items()]
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-  proc = subprocess.run(args, env=env, capture_output=True, text=True,
-                        check=False)
-  if proc.returncode != 0:
-    raise RuntimeError(f"Method {method} failed:\n{proc.stderr[-3000:]}")
-  with open(out) as f:
-    result = json.load(f)
-  with np.load(out + ".npz") as grads:
-    result["grads"] = [grads[f"arr_{i}"] for i in range(len(grads.files))]
-  return result
+    grads = [np.asarray(tf.convert_to_tensor(g)) for g in step(batch)]
+    first_call = time.perf_counter() - start
+    results[method] = {
+        "peak_bytes": int(peak_step_bytes(step, batch,
+                                          calls=planner.PEAK_CALLS)),
+        "first_call_seconds": first_call, "grads": grads}
+    steps.append(step)
+    if progress is not None:
+      progress.add(1)
+  seconds = planner.median_seconds(steps, batch, FLAGS.steps)
+  for method, step_seconds in zip(methods, seconds):
+    results[method]["step_seconds"] = step_seconds
+  return results
 
 
 def format_table(results):
@@ -419,11 +408,11 @@ def format_table(results):
   lines = [header, "-" * len(header)]
   for method, r in results.items():
     peak = r["peak_bytes"] / 2**20
-    ms = 1000 * float(np.median(r["step_seconds"]))
+    ms = 1000 * r["step_seconds"]
     if base is None:
       ratios, diff = ("", ""), ""
     else:
-      base_ms = 1000 * float(np.median(base["step_seconds"]))
+      base_ms = 1000 * base["step_seconds"]
       ratios = (f"{_ratio(r['peak_bytes'], base['peak_bytes']):.2f}",
                 f"{_ratio(ms, base_ms):.2f}")
       diff = max(float(np.abs(a - b).max())
@@ -437,9 +426,6 @@ def format_table(results):
 
 def main(argv):
   del argv
-  if FLAGS.worker:
-    _run_worker(FLAGS.worker, FLAGS.out)
-    return
   if FLAGS.eager and FLAGS.jit:
     raise app.UsageError("--eager and --jit exclude each other: pick one.")
   unknown = set(FLAGS.methods) - set(METHODS)
@@ -472,14 +458,8 @@ def main(argv):
   progress = keras.utils.Progbar(len(methods), unit_name="method")
   sizes = ", ".join(f"{k} {v}" for k, v in _sizes().items())
   print(f"{FLAGS.model}: {sizes}, dropout {FLAGS.dropout}, "
-        f"{_mode_name()}, {FLAGS.steps} timed steps")
-  results = {}
-  with tempfile.TemporaryDirectory() as tmp:
-    for i, method in enumerate(methods):
-      results[method] = _run_method(method, os.path.join(tmp, f"{i}.json"))
-      progress.add(1)
-  print(format_table(results))
-
+        f"{_mode_name()}, {FLAGS.steps} timed rounds")
+  print(format_table(measure_methods(methods, progress)))
 
 if __name__ == "__main__":
   define_flags()

@@ -42,6 +42,7 @@ import numpy as np
 import tensorflow as tf
 from keras.src.backend.common import global_state
 from tensorflow.python.autograph.core import ag_ctx
+from tensorflow.python.autograph.core import config as autograph_config
 from tensorflow.python.autograph.impl import api as autograph
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import record
@@ -52,6 +53,14 @@ from tfremat import state
 from tfremat import step_seed
 
 DETERMINISM_CHECKS = ("default", "values", "none")
+
+# AutoGraph converts the source of every function a converted function calls,
+# unless its module is listed as TensorFlow's and Keras's are. Converting
+# tfremat's own code would cost trace time and change nothing: it decides
+# what to convert itself (`_ForwardContext.convert`), so it is listed too.
+autograph_config.CONVERSION_RULES = (
+    (autograph_config.DoNotConvert("tfremat"),) +
+    autograph_config.CONVERSION_RULES)
 
 
 class RerunMismatchError(ValueError):

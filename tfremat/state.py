@@ -21,6 +21,8 @@ import keras
 import tensorflow as tf
 from tensorflow.python.eager import backprop
 from tensorflow.python.framework import op_callbacks
+from tensorflow.python.framework import ops
+from tensorflow.python.ops import gen_resource_variable_ops
 
 # Stateful random op types, with the public API that creates each.
 _STATEFUL_RANDOM_OPS = {
@@ -92,6 +94,23 @@ def _check_op(op_type, op_name):
         f"{op_type}{where}). {_VARIABLE_FIX}")
 
 
+def _undo_generator_draw(op_type, inputs, outputs):
+  """Puts back the state a tf.random.Generator draw advanced in eager mode.
+
+  An eager op callback runs after the op, so the refused draw has already
+  advanced the generator. Its `RngReadAndSkip` op returns the state as it
+  was (padded to three elements), which is written back, so that the error
+  leaves the generator as it found it.
+  """
+  if op_type not in ("RngReadAndSkip", b"RngReadAndSkip") or not outputs:
+    return
+  handle, old = inputs[0], outputs[0]
+  if not isinstance(old, ops.EagerTensor):
+    return  # Traced: nothing ran.
+  size = gen_resource_variable_ops.variable_shape(handle)[0]
+  gen_resource_variable_ops.assign_variable_op(handle, old[:size])
+
+
 _forward_depth = threading.local()
 
 
@@ -115,6 +134,7 @@ class ForwardOps:
   def __init__(self, inputs):
     self._seen = {id(t) for t in inputs}
     self._external = {}  # id -> tensor, in first-use order.
+    self._undoing = False
 
   def external_tensors(self):
     """Tensors the block read but did not receive or compute, in use order."""
@@ -123,7 +143,17 @@ class ForwardOps:
   def _callback(self, op_type, inputs, attrs, outputs, op_name=None,
                 graph=None):
     del attrs, graph  # Only the op's identity and tensors matter.
-    _check_op(op_type, op_name)
+    if self._undoing:
+      return outputs  # The write that undoes a refused draw.
+    try:
+      _check_op(op_type, op_name)
+    except UnreplayableOpError:
+      self._undoing = True
+      try:
+        _undo_generator_draw(op_type, inputs, outputs)
+      finally:
+        self._undoing = False
+      raise
     for t in inputs:
       if id(t) not in self._seen:
         self._seen.add(id(t))
