@@ -516,3 +516,70 @@ def test_generator_draw_is_refused_and_leaves_its_state(mode):
   np.testing.assert_array_equal(
       generator.normal([3]).numpy(),
       tf.random.Generator.from_seed(7).normal([3]).numpy())
+
+
+@parametrize_all
+@pytest.mark.parametrize("fn", [lambda x, y: x * y, lambda x, y: x],
+                         ids=["mul", "first-only"])
+def test_same_tensor_passed_twice(device, mode, fn):
+  # TensorFlow tensorflow/python/ops/gradients_test.py
+  # testFnRecomputeSameTensor: f(x, x).
+  call = lambda remat, x: (tfremat.RematerializeFn(fn, x, x) if remat
+                           else fn(x, x))
+  with tf.device(device):
+    x = _x(10)
+  assert_parity(call, (x,), [], mode, device)
+
+
+@pytest.mark.parametrize("mode", ["function", "xla"])
+def test_tf_gradients_over_two_outputs_in_a_graph(mode):
+  # Lingvo lingvo/core/py_utils_test.py RematerializeFnTest.testRandomNormal:
+  # tf.gradients of two outputs, inputs passed as tensors.
+  def fn(a, b):
+    c = tf.matmul(a, b)
+    return tf.nn.sigmoid(c), tf.nn.tanh(c)
+
+  def step(a, b):
+    grads = []
+    for use_remat in (False, True):
+      d, e = tfremat.RematerializeFn(fn, a, b) if use_remat else fn(a, b)
+      grads.append(tf.gradients([d, e], [a, b]))
+    return grads
+
+  plain, remat = compile_step(step, mode)(_x(2, 3), _x(3, 4, seed=1))
+  assert_trees_close(remat, plain)
+
+
+def test_lambda_layer_in_functional_model_fits_like_plain():
+  # Keras keras/src/backend/common/remat_test.py test_remat_basic_call: a
+  # rematerialized function in a Lambda layer of a functional model.
+  data = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+  target = data[:, :1] * 2.0
+  weights = []
+  for use_remat in (False, True):
+    keras.utils.set_random_seed(1)
+    relu = keras.layers.ReLU()
+    fn = ((lambda t: tfremat.RematerializeFn(relu, t)) if use_remat
+          else relu)
+    inputs = keras.Input((4,))
+    h = keras.layers.Lambda(fn)(keras.layers.Dense(4)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(1)(h))
+    assert_trees_close(model.predict(data, verbose=0), model(data))
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(data, target, epochs=2, batch_size=16, shuffle=False, verbose=0)
+    weights.append(snapshot(model.trainable_weights))
+  assert_trees_close(weights[1], weights[0])
+
+
+def test_decorator_keyword_defaults_and_numpy_input():
+  # Keras remat_test.py test_remat_with_kwargs: Python keyword arguments,
+  # their defaults, and a NumPy input, which reaches fn unchanged.
+  def fn_with_kwargs(x, scale=1.0, offset=0.0):
+    assert isinstance(x, np.ndarray)
+    return x * scale + offset
+
+  x = np.array([1.0, 2.0, 3.0], dtype=np.float32)
+  remat_fn = tfremat.rematerialize(fn_with_kwargs)
+  np.testing.assert_allclose(remat_fn(x, scale=2.0, offset=1.0), [3, 5, 7])
+  np.testing.assert_allclose(remat_fn(x), x)
+  np.testing.assert_allclose(remat_fn(x, scale=3.0), 3 * x)

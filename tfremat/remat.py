@@ -413,15 +413,25 @@ class _Call:
     # The seeds and state are gated too: otherwise XLA common-subexpression
     # eliminates the rerun's random draws (e.g. dropout masks) with the
     # forward pass's and keeps every mask alive until the backward pass.
-    leaves = [gated(x) if isinstance(x, tf.Tensor) else x for x in self.leaves]
-    values = [v if variable.trainable else gated(v)
+    # One rerun tensor per forward tensor, however often it is passed (f(x,
+    # x)), so that the gradient taken at it collects every use.
+    rerun_of = {}
+
+    def rerun_tensor(t, gate_it=True):
+      if id(t) not in rerun_of:
+        rerun_of[id(t)] = gated(t) if gate_it else t
+      return rerun_of[id(t)]
+
+    leaves = [rerun_tensor(x) if isinstance(x, tf.Tensor) else x
+              for x in self.leaves]
+    # Trainable weights need no gate: every op reading them also reads a
+    # gated input.
+    values = [rerun_tensor(v, not variable.trainable)
               for variable, v in zip(self.keras_variables, self.keras_values)]
     targets = []
     for s in self.sources:
-      if s.kind == "input":
-        targets.append(leaves[s.index])
-      elif s.kind == "keras":
-        targets.append(values[s.index])
+      if s.kind in ("input", "keras"):
+        targets.append(rerun_tensor(s.tensor))
       elif s.kind == "raw":
         # The handle: the rerun's dense reads are replaced by the forward
         # read, which the handle feeds, and its sparse reads (ResourceGather)
