@@ -10,8 +10,7 @@ updates are applied, once. The backward-pass rerun runs in a
 forward pass read (the same dropout masks) and its own updates are discarded.
 
 What cannot be replayed this way is refused while the forward pass runs:
-stateful random ops, direct writes to `tf.Variable`s and gradient tapes opened
-inside the block (`ForwardOps`).
+stateful random ops and direct writes to `tf.Variable`s (`ForwardOps`).
 """
 
 import contextlib
@@ -19,7 +18,10 @@ import threading
 
 import keras
 import tensorflow as tf
+from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import backprop
+from tensorflow.python.eager import record
+from tensorflow.python.eager import tape as tape_lib
 from tensorflow.python.framework import op_callbacks
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import gen_resource_variable_ops
@@ -111,11 +113,14 @@ def _undo_generator_draw(op_type, inputs, outputs):
   gen_resource_variable_ops.assign_variable_op(handle, old[:size])
 
 
-_forward_depth = threading.local()
+_thread = threading.local()
 
 
-def _in_forward():
-  return getattr(_forward_depth, "value", 0) > 0
+def _thread_list(name):
+  """A list kept per thread: gradient tapes, forward passes."""
+  if not hasattr(_thread, name):
+    setattr(_thread, name, [])
+  return getattr(_thread, name)
 
 
 class ForwardOps:
@@ -129,12 +134,20 @@ class ForwardOps:
   direct tf.Variable write has therefore happened once when the error is
   raised; no other state has changed, since `RecordingScope` defers Keras
   variable updates.
+
+  The forward pass runs with gradient recording stopped. A `tf.GradientTape`
+  that the block opens itself (a gradient inside the function) must still
+  record the block's ops: while it is open, the tapes open outside the block
+  are taken off this thread's tape set and recording resumes, so only the
+  block's own tapes see its ops.
   """
 
   def __init__(self, inputs):
     self._seen = {id(t) for t in inputs}
     self._external = {}  # id -> tensor, in first-use order.
     self._undoing = False
+    self._inner_tapes = 0
+    self._hidden = []
 
   def external_tensors(self):
     """Tensors the block read but did not receive or compute, in use order."""
@@ -164,45 +177,90 @@ class ForwardOps:
     return outputs
 
   def __enter__(self):
-    _install_tape_guard()
     # A new callback per block: nested rematerialized calls each add and
     # remove their own (TensorFlow keeps one registration per callback).
     op_callbacks.add_op_callback(self._callback)
-    _forward_depth.value = getattr(_forward_depth, "value", 0) + 1
+    _thread_list("forwards").append(self)
     return self
 
   def __exit__(self, *args):
-    _forward_depth.value -= 1
+    _thread_list("forwards").pop()
     op_callbacks.remove_op_callback(self._callback)
 
+  def inner_tape_entered(self):
+    """A tape opened inside the block: let it, and only it, record."""
+    if self._inner_tapes == 0:
+      hidden = [t for t in _thread_list("tapes") if t._recording]  # pylint: disable=protected-access
+      for t in hidden:
+        tape_lib.pop_tape(t._tape)  # pylint: disable=protected-access
+      if record.could_possibly_record():
+        # A tape opened before tfremat was imported, or a forward
+        # accumulator: it cannot be set aside, and would record the block.
+        for t in hidden:
+          tape_lib.push_tape(t._tape)  # pylint: disable=protected-access
+        raise UnreplayableOpError(
+            "The rematerialized function opens a tf.GradientTape while a "
+            "gradient tape or forward accumulator that tfremat cannot set "
+            "aside is recording (one opened before tfremat was imported, or "
+            "a tf.autodiff.ForwardAccumulator). Import tfremat before opening "
+            "tapes, or compute the inner gradient outside the rematerialized "
+            "function.")
+      pywrap_tfe.TFE_Py_TapeSetRestartOnThread()
+      self._hidden = hidden
+    self._inner_tapes += 1
 
-_TAPE_FIX = (
-    "The forward pass of a rematerialized function runs with gradient "
-    "recording stopped, so a tf.GradientTape opened inside it would record "
-    "nothing and its gradients would be missing or silently zero. Compute "
-    "the inner gradient outside the rematerialized function (e.g. "
-    "rematerialize the function whose gradient you take, not the one that "
-    "takes it), or use tf.gradients inside tf.function.")
+  def inner_tape_exited(self):
+    self._inner_tapes -= 1
+    if self._inner_tapes == 0:
+      pywrap_tfe.TFE_Py_TapeSetStopOnThread()
+      for t in self._hidden:
+        tape_lib.push_tape(t._tape)  # pylint: disable=protected-access
+      self._hidden = []
 
 
-def _install_tape_guard():
-  """Makes a GradientTape opened inside a forward pass raise, once per process.
+def _install_tape_hooks():
+  """Tracks the gradient tapes open on each thread, for `ForwardOps`.
 
-  Installed once and left in place: it only reads a thread-local depth, so
-  it costs nothing outside a forward pass and is safe across threads.
+  Installed once, when tfremat is imported, and left in place: outside a
+  forward pass it only keeps a per-thread list of open tapes.
   """
-  if getattr(backprop.GradientTape.__enter__, "_tfremat_guard", False):
+  if getattr(backprop.GradientTape.__enter__, "_tfremat_hook", False):
     return
-  original = backprop.GradientTape.__enter__
+  enter, exit_ = backprop.GradientTape.__enter__, backprop.GradientTape.__exit__
 
-  def guarded_enter(self):
-    if _in_forward():
-      raise UnreplayableOpError(
-          f"The rematerialized function opens a tf.GradientTape. {_TAPE_FIX}")
-    return original(self)
+  def hooked_enter(self):
+    forwards = _thread_list("forwards")
+    forward = forwards[-1] if forwards else None
+    if forward is not None:
+      forward.inner_tape_entered()
+    try:
+      result = enter(self)
+    except BaseException:
+      if forward is not None:
+        forward.inner_tape_exited()
+      raise
+    self._tfremat_forward = forward  # pylint: disable=protected-access
+    _thread_list("tapes").append(self)
+    return result
 
-  guarded_enter._tfremat_guard = True  # pylint: disable=protected-access
-  backprop.GradientTape.__enter__ = guarded_enter
+  def hooked_exit(self, *args):
+    try:
+      return exit_(self, *args)
+    finally:
+      tapes = _thread_list("tapes")
+      if self in tapes:
+        tapes.remove(self)
+      forward = getattr(self, "_tfremat_forward", None)
+      if forward is not None:
+        self._tfremat_forward = None  # pylint: disable=protected-access
+        forward.inner_tape_exited()
+
+  hooked_enter._tfremat_hook = True  # pylint: disable=protected-access
+  backprop.GradientTape.__enter__ = hooked_enter
+  backprop.GradientTape.__exit__ = hooked_exit
+
+
+_install_tape_hooks()
 
 
 def _num_uninitialized():
