@@ -622,3 +622,61 @@ def test_decorator_keyword_defaults_and_numpy_input():
   np.testing.assert_allclose(remat_fn(x, scale=2.0, offset=1.0), [3, 5, 7])
   np.testing.assert_allclose(remat_fn(x), x)
   np.testing.assert_allclose(remat_fn(x, scale=3.0), 3 * x)
+
+
+def _smooth_block(seed=6):
+  keras.utils.set_random_seed(seed)
+  block = keras.Sequential([keras.layers.Dense(5, activation="tanh"),
+                            keras.layers.Dense(3, activation="softplus")])
+  block.build((None, 4))
+  return block
+
+
+@parametrize_all
+@pytest.mark.parametrize("pfor", [True, False], ids=["pfor", "while"])
+def test_jacobian_matches_plain(device, mode, pfor):
+  # PyTorch test/test_autograd.py checkpoint tests take Jacobians through
+  # checkpointed code; tf.GradientTape.jacobian vectorizes the backward
+  # pass (pfor) or loops over it.
+  with tf.device(device):
+    block = _smooth_block()
+
+  def step(remat, x):
+    with tf.GradientTape(persistent=True) as tape:
+      tape.watch(x)
+      y = tfremat.RematerializeFn(block, x) if remat else block(x)
+    return (tape.jacobian(y, x, experimental_use_pfor=pfor),
+            tape.jacobian(y, block.trainable_weights[0],
+                          experimental_use_pfor=pfor))
+
+  with tf.device(device):
+    expected = compile_step(functools.partial(step, False), mode)(_x(2, 4))
+    got = compile_step(functools.partial(step, True), mode)(_x(2, 4))
+  assert_trees_close(got, expected)
+
+
+@parametrize_all
+def test_second_order_gradients_match_plain(device, mode):
+  # PyTorch TestCheckpoint / test_autograd.py: double backward through a
+  # checkpoint. A Hessian-vector product and a gradient penalty, both
+  # differentiating the rerun's gradient.
+  with tf.device(device):
+    block = _smooth_block()
+
+  def step(remat, x):
+    with tf.GradientTape(persistent=True) as outer:
+      outer.watch(x)
+      with tf.GradientTape() as inner:
+        inner.watch(x)
+        y = tfremat.RematerializeFn(block, x) if remat else block(x)
+        loss = tf.reduce_sum(y ** 2)
+      dx, dw = inner.gradient(loss, [x, block.trainable_weights[0]])
+      penalty = tf.reduce_sum(dx ** 2) + tf.reduce_sum(tf.sin(dw))
+    return (outer.gradient(penalty, [x] + block.trainable_weights),
+            outer.gradient(dx, x, output_gradients=tf.ones_like(x)))
+
+  with tf.device(device):
+    expected = compile_step(functools.partial(step, False), mode)(_x(2, 4))
+    got = compile_step(functools.partial(step, True), mode)(_x(2, 4))
+  assert all(g is not None for g in tf.nest.flatten(expected))
+  assert_trees_close(got, expected)
