@@ -680,3 +680,30 @@ def test_second_order_gradients_match_plain(device, mode):
     got = compile_step(functools.partial(step, True), mode)(_x(2, 4))
   assert all(g is not None for g in tf.nest.flatten(expected))
   assert_trees_close(got, expected)
+
+
+@pytest.mark.parametrize("mode", ["function", "xla"])
+def test_closure_from_outside_a_while_loop_body_gets_its_gradient(mode):
+  # [2] Inside a loop body, a tensor computed outside the loop reaches the
+  # block as the body graph's capture, a placeholder made while the block
+  # is traced.
+  def step(remat, x, w):
+    with tf.GradientTape() as tape:
+      tape.watch([x, w])
+      y = tf.sin(w)
+
+      def body(i, h):
+        fn = lambda v: tf.tanh(v * y)
+        return i + 1, tfremat.RematerializeFn(fn, h) if remat else fn(h)
+
+      # XLA differentiates loops with a known maximum only.
+      _, h = tf.while_loop(lambda i, h: i < 3, body, [0, x],
+                           maximum_iterations=3)
+      loss = tf.reduce_sum(h * h)
+    return tape.gradient(loss, [x, w])
+
+  inputs = (tf.constant([0.3, 0.4]), tf.constant([1.5, 2.0]))
+  expected = compile_step(functools.partial(step, False), mode)(*inputs)
+  got = compile_step(functools.partial(step, True), mode)(*inputs)
+  assert np.abs(expected[1]).min() > 1e-3
+  assert_trees_close(got, expected)

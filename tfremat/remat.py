@@ -260,7 +260,9 @@ class _Call:
     self.global_step = step_seed.GetGlobalStep()
     outputs, recorded, ops, watched = self._run_forward()
     flat = tf.nest.flatten(outputs)
-    self.structure = outputs
+    # The structure alone: holding the outputs would keep them alive until
+    # the backward pass.
+    self.structure = tf.nest.map_structure(lambda _: None, outputs)
     self.attached = [i for i, y in enumerate(flat)
                      if isinstance(y, tf.Tensor) and _is_differentiable(y)]
     self.specs = [(flat[i].dtype, flat[i].shape) for i in self.attached]
@@ -268,7 +270,7 @@ class _Call:
       on_losses(recorded.losses)
     self.losses = recorded.losses
     sources = self._sources(recorded, ops, watched)
-    if not self.attached and not self.losses or not sources:
+    if (not self.attached and not self.losses) or not sources:
       # Nothing to differentiate, or nothing the gradient could reach.
       recorded.apply_updates()
       return outputs, [(loss, loss) for loss in self.losses]
@@ -428,6 +430,7 @@ class _Call:
     # gated input.
     values = [rerun_tensor(v, not variable.trainable)
               for variable, v in zip(self.keras_variables, self.keras_values)]
+    graph = tf.compat.v1.get_default_graph()
     targets = []
     for s in self.sources:
       if s.kind in ("input", "keras"):
@@ -436,10 +439,11 @@ class _Call:
         # The handle: the rerun's dense reads are replaced by the forward
         # read, which the handle feeds, and its sparse reads (ResourceGather)
         # take the handle directly.
-        targets.append(_in_graph(s.variable.handle,
-                                 tf.compat.v1.get_default_graph()))
+        targets.append(_in_graph(s.variable.handle, graph))
       else:
-        targets.append(s.tensor)
+        # The closure as the rerun reads it: a gradient graph (a while
+        # loop's, say) captures the original tensor anew.
+        targets.append(_in_graph(_capture_origin(s.tensor), graph))
     reads = [(s.variable, s.tensor) for s in self.sources if s.kind == "raw"]
     with _forward_reads(reads):
       outputs, losses = self._rerun(leaves, values, gated(self.seed),
@@ -571,6 +575,18 @@ class _forward_reads:
   def __exit__(self, *args):
     if self._reads:
       op_callbacks.remove_op_callback(self._callback)
+
+
+def _capture_origin(tensor):
+  """The tensor that a function graph's placeholder captured, followed out to
+  the graph that computed it; `tensor` itself if it is no capture."""
+  while tf.is_symbolic_tensor(tensor) and tensor.op.type == "Placeholder":
+    captures = getattr(tensor.graph, "captures", ())
+    origin = next((e for e, internal in captures if internal is tensor), None)
+    if origin is None:
+      break
+    tensor = origin
+  return tensor
 
 
 def _in_graph(tensor, graph):

@@ -171,7 +171,11 @@ class ForwardOps:
       if id(t) not in self._seen:
         self._seen.add(id(t))
         self._external[id(t)] = t
-    self._seen.update(id(t) for t in outputs or ())
+    if op_type not in ("Placeholder", b"Placeholder"):
+      # A placeholder made while the block is traced stands for a tensor of
+      # an enclosing graph that the block captured (inside a while loop's
+      # body, say): an input from outside, not a computed value.
+      self._seen.update(id(t) for t in outputs or ())
     # TensorFlow hands each callback the previous one's return value as
     # `outputs`: returning None would hide the op's outputs from the next.
     return outputs
