@@ -26,8 +26,8 @@ def _rows(table):
 
 
 # Columns after the method: peak MiB, x none, step ms, x none, max |grad -
-# none|, first call ms.
-_GRAD_ERROR, _FIRST_CALL = -2, -1
+# none|, first call ms, trace ms.
+_GRAD_ERROR, _FIRST_CALL, _TRACE = -3, -2, -1
 
 
 @pytest.mark.parametrize("mode", [[], ["--eager"]], ids=["function", "eager"])
@@ -42,6 +42,8 @@ def test_methods_table_shows_tfremat_exact_and_recompute_grad_wrong(mode):
   assert grad_error["tf.recompute_grad"] > 1e-3  # A new dropout mask.
   assert float(rows["tfremat"][1]) < 1.0  # Peak ratio to none.
   assert all(float(v[_FIRST_CALL]) > 0 for v in rows.values())
+  traces = {v[_TRACE] for v in rows.values()}
+  assert traces == {"-"} if mode else all(float(t) > 0 for t in traces)
 
 
 def test_sweep_writes_table_csv_and_plot(tmp_path):

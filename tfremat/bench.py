@@ -20,7 +20,8 @@ Peak memory is the allocator's peak during one training step above what was
 allocated just before it (weights and the batch are not counted; activations,
 temporaries and gradients are), the largest over 5 calls. Step time is the
 median over --steps rounds, each calling every method once in shuffled order;
-the first call, which traces (and compiles, with --jit), is timed apart.
+the first call, which traces (and compiles, with --jit), is timed apart, and
+so is tracing alone (median of 3 shuffled rounds; not in eager mode).
 The gradient error is the largest absolute difference from the `none`
 method's gradients, with dropout active.
 
@@ -397,14 +398,43 @@ def measure_methods(methods, progress=None):
   seconds = planner.median_seconds(steps, batch, FLAGS.steps)
   for method, step_seconds in zip(methods, seconds):
     results[method]["step_seconds"] = step_seconds
+  if not FLAGS.eager:
+    traces = _median_trace_seconds(make, methods, batch, TRACE_ROUNDS)
+    for method, trace_seconds in zip(methods, traces):
+      results[method]["trace_seconds"] = trace_seconds
   return results
+
+
+TRACE_ROUNDS = 3
+
+
+def _median_trace_seconds(make, methods, batch, rounds):
+  """Median seconds to trace each method's step, over shuffled rounds.
+
+  A first call's time is one sample (and includes running the step); on a
+  shared machine one sample of the same work varied by 30%.
+  """
+  times = [[] for _ in methods]
+  order = np.random.default_rng(1)
+  for _ in range(rounds):
+    for i in order.permutation(len(methods)):
+      step, _ = make(methods[i])
+      start = time.perf_counter()
+      step.get_concrete_function(batch)
+      times[i].append(time.perf_counter() - start)
+  return [float(np.median(t)) for t in times]
+
+
+def _ms(seconds):
+  return "-" if seconds is None else f"{1000 * seconds:.1f}"
 
 
 def format_table(results):
   """The results as a text table, ratios relative to the `none` method."""
   base = results.get("none")
   header = (f"{'method':<20}{'peak MiB':>10}{'x none':>8}{'step ms':>10}"
-            f"{'x none':>8}{'max |grad - none|':>20}{'first call ms':>15}")
+            f"{'x none':>8}{'max |grad - none|':>20}{'first call ms':>15}"
+            f"{'trace ms':>10}")
   lines = [header, "-" * len(header)]
   for method, r in results.items():
     peak = r["peak_bytes"] / 2**20
@@ -420,7 +450,8 @@ def format_table(results):
       diff = f"{diff:.3g}"
     lines.append(f"{method:<20}{peak:>10.1f}{ratios[0]:>8}{ms:>10.1f}"
                  f"{ratios[1]:>8}{diff:>20}"
-                 f"{1000 * r['first_call_seconds']:>15.1f}")
+                 f"{1000 * r['first_call_seconds']:>15.1f}"
+                 f"{_ms(r.get('trace_seconds')):>10}")
   return "\n".join(lines)
 
 
