@@ -32,11 +32,15 @@ def _devices():
 
 DEVICES = _devices()
 MODES = ["eager", "function", "xla"]
-# Every (device, mode) pair; a skipped device skips all its modes.
-DEVICE_MODES = [
-    pytest.param(d.values[0], mode, id=f"{d.id}-{mode}", marks=d.marks)
-    for d in DEVICES for mode in MODES
-]
+
+
+def device_modes(modes=tuple(MODES)):
+  """(device, mode) parameters; a skipped device skips all its modes."""
+  return [pytest.param(d.values[0], mode, id=f"{d.id}-{mode}", marks=d.marks)
+          for d in DEVICES for mode in modes]
+
+
+DEVICE_MODES = device_modes()
 
 # Parity, not "close enough": float32 rounding differences only, from XLA or
 # kernels fusing the rerun differently from the original forward pass. An

@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import tfremat
-from conftest import DEVICE_MODES, MODES
+from conftest import DEVICE_MODES, DEVICES, MODES, device_modes
 from conftest import assert_parity, assert_trees_close, compile_step, snapshot
 
 parametrize_all = pytest.mark.parametrize("device, mode", DEVICE_MODES)
@@ -119,14 +119,15 @@ def global_policy():
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
-@pytest.mark.parametrize("mode", MODES)
-def test_custom_layer_under_mixed_precision_matches_plain(mode, policy,
+@parametrize_all
+def test_custom_layer_under_mixed_precision_matches_plain(device, mode, policy,
                                                           global_policy):
   # [9] The rerun reads weights in the forward pass's autocast dtype.
   global_policy(policy)
-  plain, remat = _block_pair()
-  expected = compile_step(_grads(plain), mode)(_x(8, 6))
-  got = compile_step(_grads(remat), mode)(_x(8, 6))
+  with tf.device(device):
+    plain, remat = _block_pair()
+    expected = compile_step(_grads(plain), mode)(_x(8, 6))
+    got = compile_step(_grads(remat), mode)(_x(8, 6))
   assert got[0].dtype == tf.as_dtype(policy.split("_")[1])
   # Half precision: the rerun is the same program, so equal to its rounding.
   assert_trees_close(got, expected, rtol=1e-2, atol=1e-2)
@@ -280,6 +281,7 @@ def test_values_determinism_check_under_xla_is_refused_clearly():
 
 
 def _unused_output_grads(mode, shape, remat, dynamic=False):
+  dynamic = dynamic and mode != "eager"
   """Gradients of `w` and `u`, where only `u` feeds an output the loss uses."""
   # w broadcasts, so the unused output has the (possibly dynamic) x shape.
   w = tf.Variable(tf.ones(shape[1:]), name="only_in_unused_output")
@@ -303,25 +305,29 @@ def _unused_output_grads(mode, shape, remat, dynamic=False):
   return step(tf.ones(shape))
 
 
-_UNUSED_CASES = [(m, (4,), False) for m in MODES] + [
-    (m, (200, 100), False) for m in MODES] + [
-        (m, (4,), True) for m in ("function", "xla")]
+_UNUSED_CASES = [((4,), False), ((200, 100), False), ((4,), True)]
 
 
-@pytest.mark.parametrize("mode, shape, dynamic", _UNUSED_CASES)
-def test_unused_output_gives_none_like_plain(mode, shape, dynamic):
+@parametrize_all
+@pytest.mark.parametrize("shape, dynamic", _UNUSED_CASES,
+                         ids=["small", "over-10k-elements", "dynamic-shape"])
+def test_unused_output_gives_none_like_plain(device, mode, shape, dynamic):
   # [5] None, not zeros, for a variable that only an unused output reads:
-  # small, over 10k elements, and with a shape unknown at trace time.
-  expected = _unused_output_grads(mode, shape, False, dynamic=dynamic)
-  got = _unused_output_grads(mode, shape, True, dynamic=dynamic)
+  # small, over 10k elements, and with a shape unknown at trace time (a
+  # dynamic shape means nothing in eager mode, where the case repeats the
+  # small one).
+  with tf.device(device):
+    expected = _unused_output_grads(mode, shape, False, dynamic=dynamic)
+    got = _unused_output_grads(mode, shape, True, dynamic=dynamic)
   assert expected[0] is None and got[0] is None
   assert_trees_close(got, expected)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_all_zero_output_gradients_give_zeros_like_plain(mode):
+@parametrize_all
+def test_all_zero_output_gradients_give_zeros_like_plain(device, mode):
   # [5] A caller's zero output_gradients are a gradient, not "unused".
-  w = tf.Variable([1.0, 2.0])
+  with tf.device(device):
+    w = tf.Variable([1.0, 2.0])
 
   def step(remat, x):
     with tf.GradientTape() as tape:
@@ -329,8 +335,9 @@ def test_all_zero_output_gradients_give_zeros_like_plain(mode):
       y = tfremat.RematerializeFn(fn, x) if remat else fn(x)
     return tape.gradient(y, w, output_gradients=tf.zeros_like(y))
 
-  expected = compile_step(functools.partial(step, False), mode)(tf.ones([2]))
-  got = compile_step(functools.partial(step, True), mode)(tf.ones([2]))
+  with tf.device(device):
+    expected = compile_step(functools.partial(step, False), mode)(tf.ones([2]))
+    got = compile_step(functools.partial(step, True), mode)(tf.ones([2]))
   assert expected is not None and got is not None
   np.testing.assert_array_equal(got.numpy(), expected.numpy())
 
@@ -386,8 +393,7 @@ def test_keras_variable_changed_between_passes_uses_forward_value(device, mode):
   assert_trees_close(got, expected)
 
 
-@pytest.mark.parametrize("device, mode", [
-    p for p in DEVICE_MODES if p.values[1] != "eager"])
+@pytest.mark.parametrize("device, mode", device_modes(["function", "xla"]))
 def test_raw_variable_changed_between_passes_uses_forward_value(device, mode):
   # [6] In a graph, reads of a raw tf.Variable are replaced by the forward
   # pass's read.
@@ -469,12 +475,14 @@ def _autograph_fn(z):
   return z
 
 
-@pytest.mark.parametrize("mode", ["function", "xla"])
+@pytest.mark.parametrize("device, mode", device_modes(["function", "xla"]))
 @pytest.mark.parametrize("sign", [1.0, -1.0])
-def test_autograph_control_flow_matches_plain(mode, sign):
+def test_autograph_control_flow_matches_plain(device, mode, sign):
   call = lambda remat, x: (tfremat.RematerializeFn(_autograph_fn, x) if remat
                            else _autograph_fn(x))
-  assert_parity(call, (sign * tf.abs(_x(2, 3)),), [], mode, "/CPU:0")
+  with tf.device(device):
+    x = sign * tf.abs(_x(2, 3))
+  assert_parity(call, (x,), [], mode, device)
 
 
 def _eager_python_fn(z):
@@ -488,12 +496,15 @@ def _eager_python_fn(z):
   return z
 
 
-def test_eager_python_on_tensor_values_matches_plain():
+@pytest.mark.parametrize("device", DEVICES)
+def test_eager_python_on_tensor_values_matches_plain(device):
   # [11] TF's recompute_grad tests run in eager mode too
   # (tensorflow/python/ops/gradients_test.py, testFnRecompute).
   call = lambda remat, x: (tfremat.RematerializeFn(_eager_python_fn, x)
                            if remat else _eager_python_fn(x))
-  assert_parity(call, (tf.abs(_x(2, 3)),), [], "eager", "/CPU:0")
+  with tf.device(device):
+    x = tf.abs(_x(2, 3))
+  assert_parity(call, (x,), [], "eager", device)
 
 
 @parametrize_all
@@ -570,8 +581,8 @@ def test_same_tensor_passed_twice(device, mode, fn):
   assert_parity(call, (x,), [], mode, device)
 
 
-@pytest.mark.parametrize("mode", ["function", "xla"])
-def test_tf_gradients_over_two_outputs_in_a_graph(mode):
+@pytest.mark.parametrize("device, mode", device_modes(["function", "xla"]))
+def test_tf_gradients_over_two_outputs_in_a_graph(device, mode):
   # Lingvo lingvo/core/py_utils_test.py RematerializeFnTest.testRandomNormal:
   # tf.gradients of two outputs, inputs passed as tensors.
   def fn(a, b):
@@ -585,7 +596,8 @@ def test_tf_gradients_over_two_outputs_in_a_graph(mode):
       grads.append(tf.gradients([d, e], [a, b]))
     return grads
 
-  plain, remat = compile_step(step, mode)(_x(2, 3), _x(3, 4, seed=1))
+  with tf.device(device):
+    plain, remat = compile_step(step, mode)(_x(2, 3), _x(3, 4, seed=1))
   assert_trees_close(remat, plain)
 
 
@@ -682,8 +694,9 @@ def test_second_order_gradients_match_plain(device, mode):
   assert_trees_close(got, expected)
 
 
-@pytest.mark.parametrize("mode", ["function", "xla"])
-def test_closure_from_outside_a_while_loop_body_gets_its_gradient(mode):
+@pytest.mark.parametrize("device, mode", device_modes(["function", "xla"]))
+def test_closure_from_outside_a_while_loop_body_gets_its_gradient(device,
+                                                                  mode):
   # [2] Inside a loop body, a tensor computed outside the loop reaches the
   # block as the body graph's capture, a placeholder made while the block
   # is traced.
@@ -702,8 +715,9 @@ def test_closure_from_outside_a_while_loop_body_gets_its_gradient(mode):
       loss = tf.reduce_sum(h * h)
     return tape.gradient(loss, [x, w])
 
-  inputs = (tf.constant([0.3, 0.4]), tf.constant([1.5, 2.0]))
-  expected = compile_step(functools.partial(step, False), mode)(*inputs)
-  got = compile_step(functools.partial(step, True), mode)(*inputs)
+  with tf.device(device):
+    inputs = (tf.constant([0.3, 0.4]), tf.constant([1.5, 2.0]))
+    expected = compile_step(functools.partial(step, False), mode)(*inputs)
+    got = compile_step(functools.partial(step, True), mode)(*inputs)
   assert np.abs(expected[1]).min() > 1e-3
   assert_trees_close(got, expected)
