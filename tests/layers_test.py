@@ -265,3 +265,82 @@ def test_construction_errors_name_the_fix():
     tfremat.RematerializationLayer(lambda x: x)
   with pytest.raises(TypeError, match="InputLayer"):
     tfremat.RematerializationLayer(keras.layers.InputLayer(shape=(3,)))
+
+
+@pytest.mark.parametrize("device, mode", DEVICE_MODES)
+def test_tensor_and_python_keyword_arguments_mixed(device, mode):
+  # Issue "Keras and Lingvo users' first hour" [1]: the wrapper takes what
+  # the wrapped layer takes, tensors and Python values side by side.
+  with tf.device(device):
+    keras.utils.set_random_seed(2)
+    mha = keras.layers.MultiHeadAttention(2, 4, dropout=0.3, seed=3)
+    wrapper = tfremat.RematerializationLayer(mha)
+    q = tf.random.stateless_normal([2, 5, 8], seed=[1, 1])
+    kv = tf.random.stateless_normal([2, 5, 8], seed=[1, 2])
+    mha(q, kv)
+
+  def step(layer, q, kv):
+    with tf.GradientTape() as tape:
+      tape.watch([q, kv])
+      y, scores = layer(q, value=kv, use_causal_mask=True,
+                        return_attention_scores=True, training=True)
+      loss = tf.reduce_sum(y * tf.sin(y)) + tf.reduce_sum(scores ** 2)
+    return y, scores, tape.gradient(loss, [q, kv] + mha.trainable_weights)
+
+  with tf.device(device):
+    before = snapshot(mha.variables)
+    expected = compile_step(lambda *a: step(mha, *a), mode)(q, kv)
+    restore(mha.variables, before)
+    got = compile_step(lambda *a: step(wrapper, *a), mode)(q, kv)
+  assert_trees_close(got, expected)
+
+
+def test_custom_layer_with_numpy_and_string_keywords():
+  # [1] A NumPy scalar and a string beside the tensor input.
+  class Scaled(keras.layers.Layer):
+
+    def call(self, x, scale=1.0, act="linear"):
+      return keras.activations.get(act)(x * scale)
+
+  layer = Scaled()
+  x = tf.constant([[-1.0, 2.0]])
+  got = tfremat.RematerializationLayer(layer)(x, scale=np.float32(2.0),
+                                              act="relu")
+  np.testing.assert_array_equal(got.numpy(), [[0.0, 4.0]])
+
+
+@pytest.mark.parametrize("mode", ["int8", "float8"])
+def test_layer_quantized_before_wrapping(mode):
+  # [2] The wrapper runs a quantized layer's quantized call.
+  keras.utils.set_random_seed(3)
+  dense = keras.layers.Dense(4)
+  dense.build((None, 6))
+  dense.quantize(mode)
+  wrapper = tfremat.RematerializationLayer(dense)
+  x = tf.constant(_X[:4])
+  assert wrapper.dtype_policy.quantization_mode is None
+  assert dense.quantization_mode == mode
+  assert_trees_close(wrapper(x), dense(x))
+  if mode == "int8":
+    # (Keras 3.15's float8 Dense raises in its own gradient on TensorFlow,
+    # wrapped or not.)
+    with tf.GradientTape() as tape:
+      tape.watch(x)
+      y = wrapper(x)
+    with tf.GradientTape() as plain_tape:
+      plain_tape.watch(x)
+      plain = dense(x)
+    assert_trees_close(tape.gradient(y, x), plain_tape.gradient(plain, x))
+
+
+def test_summary_names_the_wrapped_layer():
+  # [3] A reader of model.summary() can tell which block is wrapped.
+  inputs = keras.Input((6,))
+  wrapper = tfremat.RematerializationLayer(_block(7))
+  model = keras.Model(inputs, wrapper(inputs))
+  lines = []
+  model.summary(print_fn=lines.append)
+  assert wrapper.name == "remat_block7"
+  assert "remat_block7" in "\n".join(lines)
+  named = tfremat.RematerializationLayer(_block(8), name="mine")
+  assert named.name == "mine"

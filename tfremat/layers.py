@@ -12,17 +12,22 @@ layer's: weights, output shapes, dtypes, masks, losses.
 import math
 
 import keras
-import tensorflow as tf
 
 from tfremat import hyperparams
 from tfremat import planner
 from tfremat import remat
 
 
-def _has_tensor(value):
-  return any(isinstance(v, (tf.Tensor, tf.Variable, keras.KerasTensor))
-             or hasattr(v, "__array__") and not isinstance(v, (bool, int, float))
-             for v in tf.nest.flatten(value))
+def _unquantized(policy):
+  """The wrapper's dtype policy: the wrapped layer's, without quantization.
+
+  The wrapper only casts inputs as the wrapped layer does; with a quantized
+  policy Keras would route the wrapper's own call to a quantized call it
+  does not have. The wrapped layer still runs its quantized call.
+  """
+  if getattr(policy, "quantization_mode", None) is None:
+    return policy
+  return keras.DTypePolicy(policy._source_name)  # pylint: disable=protected-access
 
 
 @keras.saving.register_keras_serializable(package="tfremat")
@@ -54,9 +59,17 @@ class RematerializationLayer(keras.layers.Wrapper):
       raise TypeError(
           "RematerializationLayer cannot wrap an InputLayer: it holds no "
           "computation. Wrap the layers that follow the input.")
-    kwargs.setdefault("dtype", layer.dtype_policy)
+    kwargs.setdefault("dtype", _unquantized(layer.dtype_policy))
+    kwargs.setdefault("name", f"remat_{layer.name}")
     super().__init__(layer, **kwargs)
     self.supports_masking = layer.supports_masking
+    # Keras binds a call's arguments to `call`'s signature and refuses a
+    # nested argument that mixes tensors and Python values, which the
+    # wrapper's `**kwargs` would be (value=kv, use_causal_mask=True). Bound
+    # to the wrapped layer's signature, each argument stands alone, as in a
+    # call of the wrapped layer.
+    self._call_signature = layer._call_signature  # pylint: disable=protected-access
+    self.call_signature_parameters = layer.call_signature_parameters
     if not self.trainable:
       # Keras propagates `trainable` to sublayers only when it is set later.
       layer.trainable = False
@@ -106,14 +119,14 @@ class RematerializationLayer(keras.layers.Wrapper):
 
   def call(self, inputs, *args, training=None, mask=None, **kwargs):
     kwargs = self._layer_kwargs(training, mask, kwargs)
-    tensor_kwargs = {k: v for k, v in kwargs.items() if _has_tensor(v)}
-    python_kwargs = {k: v for k, v in kwargs.items() if k not in tensor_kwargs}
 
-    def fn(inputs, args, tensor_kwargs):
-      return self.layer(inputs, *args, **tensor_kwargs, **python_kwargs)
+    def fn(inputs, args, kwargs):
+      return self.layer(inputs, *args, **kwargs)
 
+    # Tensors anywhere in the arguments are differentiated; Python values
+    # pass through as they are.
     outputs, losses = remat.rematerialize_with_losses(
-        fn, (inputs, args, tensor_kwargs), on_losses=lambda losses: None)
+        fn, (inputs, args, kwargs), on_losses=lambda losses: None)
     # Losses the wrapped layer added (activity regularizers) come back as
     # outputs of the rematerialized call, so their gradients flow; they are
     # this layer's now.
