@@ -49,10 +49,6 @@ class TransformerLmBuilder(builder.Base):
     p.Define("remat", True, "Rematerialize every block.")
     return p
 
-  def _Residual(self, name, *body):
-    """x + body(x)."""
-    return self._Par(name, self._Id("skip"), self._Seq("body", *body))
-
   def _Block(self, name):
     p = self.params
     block = self._Seq(

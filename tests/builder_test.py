@@ -17,14 +17,10 @@ class _Builder(builder.Base):
 
   def _Block(self, name, dims):
     """Residual: x + Linear(Dropout(relu(Linear(LN(x)) + b)))."""
-    return self._Par(
-        name, self._Id("skip"),
-        self._Seq("body", self._LN("ln", dims),
-                  self._Linear("up", dims, 2 * dims),
-                  self._Bias("bias", 2 * dims),
-                  self._Fn("relu", tf.nn.relu),
-                  self._Dropout("drop", 0.6),
-                  self._Linear("down", 2 * dims, dims)))
+    return self._Residual(
+        name, self._LN("ln", dims), self._Linear("up", dims, 2 * dims),
+        self._Bias("bias", 2 * dims), self._Fn("relu", tf.nn.relu),
+        self._Dropout("drop", 0.6), self._Linear("down", 2 * dims, dims))
 
   def _Stack(self, name, dims, blocks, remat):
     subs = [self._Block(f"block{i}", dims) for i in range(blocks)]
@@ -58,8 +54,15 @@ def test_basic_helpers_compute_what_they_say():
   ident = b._Id("i").Instantiate()(x, y)
   assert isinstance(ident, tuple) and ident[1] is y
   assert b._Arg("a", 1).Instantiate()(x, y) is y
+  # As Lingvo's: the same inputs to every sub-layer, their output tuples
+  # concatenated (issue "Keras and Lingvo users' first hour" [7]).
   par = b._Par("p", b._Id("i"), b._Fn("d", lambda a: 2 * a)).Instantiate()
-  np.testing.assert_allclose(par(x), 3 * x, rtol=1e-6)
+  one = tf.constant(1.0)
+  np.testing.assert_allclose(par(one), (1.0, 2.0))
+  pair = b._Par("q", b._Id("i"), b._Fn("s", lambda a, c: a + c)).Instantiate()
+  np.testing.assert_allclose(pair(x, y), (x, y, x + y), rtol=1e-6)
+  residual = b._Residual("r", b._Fn("d", lambda a: 2 * a)).Instantiate()
+  np.testing.assert_allclose(residual(x), 3 * x, rtol=1e-6)
   seq = b._Seq("s", b._Fn("f", lambda a: (a, a + 1)),
                b._Fn("g", lambda a, c: a * c)).Instantiate()
   np.testing.assert_allclose(seq(x), x * (x + 1), rtol=1e-6)

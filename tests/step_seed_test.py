@@ -91,6 +91,25 @@ def test_deterministic_dropout_noise_shape_and_bfloat16():
   assert tfremat.DeterministicDropout(x, 1.0, [1, 2]) is x
 
 
+@pytest.mark.parametrize("keep_prob", [0.75, tf.constant(0.75)],
+                         ids=["float", "tensor"])
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_deterministic_dropout_draws_lingvos_mask(keep_prob, mode):
+  # Issue "Keras and Lingvo users' first hour" [8]: Lingvo keeps an element
+  # where floor(keep_prob + u) == 1, u = stateless_uniform(shape, seeds),
+  # i.e. where u >= 1 - keep_prob; a scalar tensor keep_prob is accepted.
+  x = tf.reshape(tf.range(1.0, 4097.0), [64, 64])
+  seeds = tf.constant([3, 4], tf.int64)
+  dropout = lambda a, kp: tfremat.DeterministicDropout(a, kp, seeds)
+  if mode == "function":
+    dropout = tf.function(dropout)
+  y = dropout(x, keep_prob).numpy()
+  u = tf.random.stateless_uniform([64, 64], seed=seeds).numpy()
+  keep = u >= 1 - 0.75
+  np.testing.assert_allclose(y[keep], x.numpy()[keep] / 0.75, rtol=1e-6)
+  assert not y[~keep].any()
+
+
 @pytest.mark.parametrize("keep_prob", [0.0, 1.5, -0.1, "0.5"])
 def test_deterministic_dropout_rejects_bad_keep_prob(keep_prob):
   with pytest.raises(ValueError, match="probability to KEEP"):

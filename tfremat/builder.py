@@ -60,8 +60,17 @@ class Base:
                        body=self._Seq(name, *subs))
 
   def _Par(self, name, *subs):
-    """Applies sub-layers to the same inputs; sums their outputs."""
+    """Applies sub-layers to the same inputs; concatenates their outputs.
+
+    As Lingvo's: `_Par("p", _Id("a"), _Fn("b", f))` on `x` gives `(x, f(x))`.
+    """
     return self._Layer(builder_layers.ParallelLayer, name, sub=list(subs))
+
+  def _Residual(self, name, *body):
+    """x + _Seq(*body)(x): Lingvo's _Seq(_Par(_Id, body), _Fn(add))."""
+    return self._Seq(
+        name, self._Par("branches", self._Id("skip"), self._Seq("body", *body)),
+        self._Fn("add", builder_layers.Add))
 
   def _Fn(self, name, fn):
     """Applies `fn(*inputs)`, a function without weights."""

@@ -88,9 +88,14 @@ class RepeatLayer(BaseLayer):
     return _FromTuple(xs)
 
 
-def SumMerge(outputs):
-  """Merges parallel sub-layers' outputs by adding them elementwise."""
-  return tuple(tf.add_n(list(xs)) for xs in zip(*outputs))
+def ConcatMerge(outputs):
+  """Merges parallel sub-layers' output tuples into one tuple, in order."""
+  return tuple(y for ys in outputs for y in ys)
+
+
+def Add(*xs):
+  """The elementwise sum of the inputs."""
+  return tf.add_n(list(xs))
 
 
 class ParallelLayer(BaseLayer):
@@ -100,7 +105,7 @@ class ParallelLayer(BaseLayer):
   def Params(cls):
     p = super().Params()
     p.Define("sub", [], "Params of the parallel sub-layers.")
-    p.Define("merge", SumMerge,
+    p.Define("merge", ConcatMerge,
              "Maps the list of sub-layer output tuples to one tuple.")
     return p
 
@@ -221,10 +226,11 @@ class DeterministicDropoutLayer(BaseLayer):
     return p
 
   def call(self, x, training=None):
-    if not training or self.params.keep_prob == 1.0:
+    keep_prob = self.params.keep_prob
+    if not training or (not tf.is_tensor(keep_prob) and keep_prob == 1.0):
       return x
     seeds = step_seed.GenerateStepSeedPair(random_seed=self.params.random_seed)
-    return step_seed.DeterministicDropout(x, self.params.keep_prob, seeds)
+    return step_seed.DeterministicDropout(x, keep_prob, seeds)
 
 
 class KerasDropoutLayer(BaseLayer):

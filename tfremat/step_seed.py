@@ -105,34 +105,39 @@ def GenerateStepSeedPair(random_seed=None, op_seed=None):
 
 
 def DeterministicDropout(x, keep_prob, seeds, noise_shape=None, name=None):
-  """Dropout whose mask is a pure function of `seeds`.
+  """Dropout whose mask is a pure function of `seeds`, as Lingvo's.
 
-  Keeps each element with probability `keep_prob` and scales kept elements by
-  `1 / keep_prob`. Unlike `tf.nn.dropout`, the same `seeds` always give the same
+  Keeps an element where `floor(keep_prob + u) == 1`, with `u` drawn by
+  `tf.random.stateless_uniform(noise_shape, seeds)` in float32, and divides
+  the result by `keep_prob`: for the same seeds, the same mask as Lingvo's
+  `py_utils.DeterministicDropout`. The same `seeds` always give the same
   mask, so the op can be recomputed in a backward pass.
 
   Args:
     x: a floating point tensor.
-    keep_prob: a Python float in (0, 1].
+    keep_prob: the probability to keep an element: a Python float in
+      (0, 1], or a scalar float tensor.
     seeds: a shape-[2] integer tensor, e.g. from `GenerateStepSeedPair()`.
     noise_shape: optional shape of the mask, broadcastable to `x`.
     name: optional name scope.
   """
-  if not isinstance(keep_prob, (int, float)) or not 0.0 < keep_prob <= 1.0:
+  if not tf.is_tensor(keep_prob) and (
+      not isinstance(keep_prob, (int, float)) or not 0.0 < keep_prob <= 1.0):
     raise ValueError(
-        f"DeterministicDropout: keep_prob must be a float in (0, 1], got "
-        f"{keep_prob!r}. Note that it is the probability to KEEP an element "
-        "(Lingvo's convention), i.e. 1 - rate.")
+        f"DeterministicDropout: keep_prob must be a float in (0, 1] or a "
+        f"scalar tensor, got {keep_prob!r}. Note that it is the probability "
+        "to KEEP an element (Lingvo's convention), i.e. 1 - rate.")
   with tf.name_scope(name or "deterministic_dropout"):
     x = tf.convert_to_tensor(x)
-    if keep_prob == 1.0:
+    if not tf.is_tensor(keep_prob) and keep_prob == 1.0:
       return x
+    keep_prob = tf.cast(keep_prob, tf.float32)
     shape = tf.shape(x) if noise_shape is None else noise_shape
     # float32 draws whatever x's dtype: bfloat16/float16 uniforms are too
     # coarse to give the requested keep probability.
     uniform = tf.random.stateless_uniform(shape, seed=seeds, dtype=tf.float32)
-    keep = tf.cast(uniform < keep_prob, x.dtype)
-    return x * keep * tf.cast(1.0 / keep_prob, x.dtype)
+    keep = tf.cast(tf.floor(keep_prob + uniform), x.dtype)
+    return x / tf.cast(keep_prob, x.dtype) * keep
 
 
 @contextlib.contextmanager
