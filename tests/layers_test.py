@@ -56,12 +56,28 @@ def test_fit_step_gives_the_weights_of_the_unwrapped_model(device, mode):
   assert_trees_close(weights[1], weights[0])
 
 
-@pytest.mark.parametrize("device, mode", DEVICE_MODES)
-def test_attention_with_dropout_and_keyword_tensors(device, mode):
+def _attention(device):
+  """A MultiHeadAttention with dropout, and its wrapper."""
   with tf.device(device):
     keras.utils.set_random_seed(2)
     mha = keras.layers.MultiHeadAttention(2, 4, dropout=0.3, seed=3)
-    wrapper = tfremat.RematerializationLayer(mha)
+  return mha, tfremat.RematerializationLayer(mha)
+
+
+def _assert_wrapper_parity(step, layer, wrapper, inputs, mode, device):
+  """`step(wrapper, *inputs)` gives `step(layer, *inputs)`, from one state."""
+  with tf.device(device):
+    before = snapshot(layer.variables)
+    expected = compile_step(lambda *a: step(layer, *a), mode)(*inputs)
+    restore(layer.variables, before)
+    got = compile_step(lambda *a: step(wrapper, *a), mode)(*inputs)
+  assert_trees_close(got, expected)
+
+
+@pytest.mark.parametrize("device, mode", DEVICE_MODES)
+def test_attention_with_dropout_and_keyword_tensors(device, mode):
+  mha, wrapper = _attention(device)
+  with tf.device(device):
     q = tf.random.stateless_normal([2, 5, 8], seed=[1, 1])
     v = tf.random.stateless_normal([2, 4, 8], seed=[1, 2])
     k = tf.random.stateless_normal([2, 4, 8], seed=[1, 3])
@@ -75,12 +91,7 @@ def test_attention_with_dropout_and_keyword_tensors(device, mode):
       loss = tf.reduce_sum(y * tf.sin(y))
     return y, tape.gradient(loss, [q, v, k] + mha.trainable_weights)
 
-  with tf.device(device):
-    before = snapshot(mha.variables)
-    expected = compile_step(lambda *a: step(mha, *a), mode)(q, v, k)
-    restore(mha.variables, before)
-    actual = compile_step(lambda *a: step(wrapper, *a), mode)(q, v, k)
-  assert_trees_close(actual, expected)
+  _assert_wrapper_parity(step, mha, wrapper, (q, v, k), mode, device)
 
 
 def test_weights_are_the_wrapped_layers():
@@ -271,10 +282,8 @@ def test_construction_errors_name_the_fix():
 def test_tensor_and_python_keyword_arguments_mixed(device, mode):
   # Issue "Keras and Lingvo users' first hour" [1]: the wrapper takes what
   # the wrapped layer takes, tensors and Python values side by side.
+  mha, wrapper = _attention(device)
   with tf.device(device):
-    keras.utils.set_random_seed(2)
-    mha = keras.layers.MultiHeadAttention(2, 4, dropout=0.3, seed=3)
-    wrapper = tfremat.RematerializationLayer(mha)
     q = tf.random.stateless_normal([2, 5, 8], seed=[1, 1])
     kv = tf.random.stateless_normal([2, 5, 8], seed=[1, 2])
     mha(q, kv)
@@ -287,12 +296,7 @@ def test_tensor_and_python_keyword_arguments_mixed(device, mode):
       loss = tf.reduce_sum(y * tf.sin(y)) + tf.reduce_sum(scores ** 2)
     return y, scores, tape.gradient(loss, [q, kv] + mha.trainable_weights)
 
-  with tf.device(device):
-    before = snapshot(mha.variables)
-    expected = compile_step(lambda *a: step(mha, *a), mode)(q, kv)
-    restore(mha.variables, before)
-    got = compile_step(lambda *a: step(wrapper, *a), mode)(q, kv)
-  assert_trees_close(got, expected)
+  _assert_wrapper_parity(step, mha, wrapper, (q, kv), mode, device)
 
 
 def test_custom_layer_with_numpy_and_string_keywords():
