@@ -35,6 +35,7 @@ those without rematerialization. "As the forward pass ran it" means:
   the arguments.
 """
 
+import copy
 import functools
 
 import keras
@@ -83,8 +84,7 @@ class _ForwardContext:
   def __init__(self):
     call_context = global_state.get_global_attribute("current_call_ctx")
     # A copy: the entry layer changes its context object as the call goes on.
-    self._call_context = (None if call_context is None else
-                          _copy_object(call_context))
+    self._call_context = copy.copy(call_context)
     self._autocast = global_state.get_global_attribute("autocast_scope")
     self._autograph = ag_ctx.control_status_ctx()
 
@@ -98,22 +98,19 @@ class _ForwardContext:
       return fn
     return autograph.tf_convert(fn, self._autograph)
 
+  _ATTRIBUTES = ("current_call_ctx", "autocast_scope")
+
   def __enter__(self):
     self._saved = [global_state.get_global_attribute(name)
-                   for name in ("current_call_ctx", "autocast_scope")]
-    global_state.set_global_attribute("current_call_ctx", self._call_context)
-    global_state.set_global_attribute("autocast_scope", self._autocast)
+                   for name in self._ATTRIBUTES]
+    self._set((self._call_context, self._autocast))
 
   def __exit__(self, *args):
-    for name, value in zip(("current_call_ctx", "autocast_scope"),
-                           self._saved):
+    self._set(self._saved)
+
+  def _set(self, values):
+    for name, value in zip(self._ATTRIBUTES, values):
       global_state.set_global_attribute(name, value)
-
-
-def _copy_object(obj):
-  copy = object.__new__(type(obj))
-  copy.__dict__.update(obj.__dict__)
-  return copy
 
 
 def _gradient_gate(dys):
@@ -232,7 +229,8 @@ def rematerialize_with_losses(fn, xs, on_losses=_refuse_losses,
         f"determinism_check must be one of {DETERMINISM_CHECKS}, got "
         f"{determinism_check!r}.")
   if (determinism_check == "values" and not tf.executing_eagerly() and
-      control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())):
+      control_flow_util.GraphOrParentsInXlaContext(
+          tf.compat.v1.get_default_graph())):
     raise ValueError(
         "determinism_check='values' cannot run under XLA (jit_compile), which "
         "drops assertions. Check values with the same step run eagerly or in "
@@ -541,8 +539,8 @@ class _forward_reads:
 
   An op callback may replace the outputs of an op being added to a graph;
   here, each `ReadVariableOp` of a variable in `reads` ((variable,
-  forward-time read) pairs) returns that read instead, so an assignment between the two passes
-  changes nothing, as without rematerialization.
+  forward-time read) pairs) returns that read instead, so an assignment
+  between the two passes changes nothing, as without rematerialization.
   """
 
   def __init__(self, reads):
