@@ -249,3 +249,39 @@ def test_budgets_hold_when_measured(model):
     assert any(chosen.rematerialized)
   layer = tfremat.remat_sequential(blocks, budget_bytes=full, sample_input=x)
   assert not any(layer.plan.rematerialized)
+
+
+def _bn_dropout_chain():
+  keras.utils.set_random_seed(3)
+  layers = [keras.Sequential([keras.layers.Dense(32, activation="relu"),
+                              keras.layers.BatchNormalization(),
+                              keras.layers.Dropout(0.5, seed=i),
+                              keras.layers.Dense(16)]) for i in range(3)]
+  x = tf.random.stateless_normal([256, 16], seed=[2, 3]) * 3.0 + 1.0
+  return layers, x
+
+
+def test_planning_leaves_every_variable_as_it_was():
+  # Issue "Keras and Lingvo users' first hour" [4]: measuring runs training
+  # steps, which moved BatchNormalization statistics (by 2.64 once) and
+  # advanced dropout seed generators.
+  layers, x = _bn_dropout_chain()
+  for layer in layers:
+    layer.build((None, 16))
+  variables = [v for layer in layers for v in layer.variables]
+  assert any("seed_generator" in v.path for v in variables)
+  before = [np.array(v.numpy()) for v in variables]
+  chain = tfremat.remat_sequential(layers, budget_bytes=10**9, sample_input=x)
+  assert chain.plan is not None
+  for v, value in zip(variables, before):
+    np.testing.assert_array_equal(v.numpy(), value, err_msg=v.path)
+
+
+def test_planning_unbuilt_layers_leaves_their_statistics_initial():
+  # [4] Layers the planner builds get the values a build gives them.
+  layers, x = _bn_dropout_chain()
+  tfremat.remat_sequential(layers, budget_bytes=10**9, sample_input=x)
+  norms = [layer.layers[1] for layer in layers]
+  for norm in norms:
+    np.testing.assert_array_equal(norm.moving_mean.numpy(), 0.0)
+    np.testing.assert_array_equal(norm.moving_variance.numpy(), 1.0)

@@ -9,9 +9,11 @@ BatchNormalization statistics updated once. Everything else is the wrapped
 layer's: weights, output shapes, dtypes, masks, losses.
 """
 
+import contextlib
 import math
 
 import keras
+import numpy as np
 
 from tfremat import hyperparams
 from tfremat import planner
@@ -274,11 +276,41 @@ def checked_plan(layers, budget_bytes, sample_input, rounds=4, costs=None):
     rounds: how many plans to measure at most.
     costs: `planner.measure_chain(layers, sample_input)`, if already known.
 
+  Every variable of `layers` is left as it was: measuring runs training
+  steps, which move BatchNormalization statistics and advance dropout seed
+  generators, so their values are put back afterwards.
+
   Raises:
     ValueError: no plan fits (the message gives the smallest budget that
       the calibrated model predicts to fit), or none measured within the
       budget.
   """
+  with _variables_restored(layers, sample_input):
+    return _measured_plan(layers, budget_bytes, sample_input, rounds, costs)
+
+
+@contextlib.contextmanager
+def _variables_restored(layers, sample_input):
+  """Puts every variable of `layers` back as it was when the block ends.
+
+  Unbuilt layers are built first by an inference call, which changes no
+  state, so that their variables exist to be restored.
+  """
+  x = sample_input
+  for layer in layers:
+    x = layer(x)
+  del x  # Held through the measurements, it would shift their peaks.
+  variables = [v for layer in layers for v in layer.variables]
+  values = [np.array(v.numpy()) for v in variables]
+  try:
+    yield
+  finally:
+    for variable, value in zip(variables, values):
+      variable.assign(value)
+
+
+def _measured_plan(layers, budget_bytes, sample_input, rounds, costs):
+  """`checked_plan`'s measuring and planning."""
   if costs is None:
     costs = planner.measure_chain(layers, sample_input)
   # Keeping everything is the fastest plan; use it whenever it really fits,
