@@ -71,7 +71,6 @@ def test_custom_layer_rematerializing_its_call_keeps_training_context(
   # [1] Inner layers inherit training=True from the enclosing call.
   with tf.device(device):
     plain, remat = _block_pair(batch_norm)
-  call = lambda use_remat, x: (remat if use_remat else plain)(x, training=True)
   # Both blocks draw from the same seeds and start from the same weights;
   # the parity check compares outputs, gradients and moving statistics.
   state = remat.variables

@@ -38,7 +38,6 @@ those without rematerialization. "As the forward pass ran it" means:
 import copy
 import functools
 
-import keras
 import numpy as np
 import tensorflow as tf
 from keras.src.backend.common import global_state
@@ -68,10 +67,6 @@ class RerunMismatchError(ValueError):
   """The backward-pass rerun did not compute what the forward pass did."""
 
   __init__ = Exception.__init__  # See UnreplayableOpError.
-
-
-def _is_variable(x):
-  return isinstance(x, (tf.Variable, keras.Variable))
 
 
 def _is_differentiable(t):
