@@ -13,7 +13,6 @@ import keras
 import tensorflow as tf
 
 import tfremat
-from tfremat import bench
 from tfremat import models
 
 FLAGS = flags.FLAGS
@@ -58,7 +57,7 @@ def train(remat, steps, blocks, width, batch):
     return tf.random.stateless_normal([batch, width], seed=[i, 0]) / 4
 
   losses = [float(step(batch_at(0)))]
-  peak = bench.peak_step_bytes(step, batch_at(1))
+  peak = tfremat.measure.peak_bytes(step, batch_at(1), calls=1)
   for i in range(2, steps):
     losses.append(float(step(batch_at(i))))
   return losses, peak

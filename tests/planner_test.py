@@ -78,8 +78,8 @@ def test_full_budget_rematerializes_nothing_and_plan_prints():
   assert chosen.rematerialized == [False] * 5
   assert chosen.seconds == pytest.approx(planner.predict(costs, keep)[1])
   text = str(planner.plan(costs, planner.smallest_budget(costs)))
-  assert "remat segment" in text and "predicted peak" in text
-  assert len(text.splitlines()) == 5 + 2
+  assert "remat segment" in text and "cost model's peak" in text
+  assert len(text.splitlines()) == 5 + 1 + 3  # Header, layers, 3 summaries.
 
 
 def test_long_segments_pay_for_waiting_recomputes():
@@ -247,7 +247,7 @@ def test_budgets_hold_when_measured(model):
     assert measured <= planner.MEASUREMENT_SLACK * budget, (
         fraction, measured, budget, str(chosen))
     assert any(chosen.rematerialized)
-  layer = tfremat.remat_sequential(blocks, budget_bytes=full, sample_input=x)
+  layer = tfremat.remat_sequential(blocks, budget=full, sample_input=x)
   assert not any(layer.plan.rematerialized)
 
 
@@ -271,7 +271,7 @@ def test_planning_leaves_every_variable_as_it_was():
   variables = [v for layer in layers for v in layer.variables]
   assert any("seed_generator" in v.path for v in variables)
   before = [np.array(v.numpy()) for v in variables]
-  chain = tfremat.remat_sequential(layers, budget_bytes=10**9, sample_input=x)
+  chain = tfremat.remat_sequential(layers, budget=10**9, sample_input=x)
   assert chain.plan is not None
   for v, value in zip(variables, before):
     np.testing.assert_array_equal(v.numpy(), value, err_msg=v.path)
@@ -280,8 +280,136 @@ def test_planning_leaves_every_variable_as_it_was():
 def test_planning_unbuilt_layers_leaves_their_statistics_initial():
   # [4] Layers the planner builds get the values a build gives them.
   layers, x = _bn_dropout_chain()
-  tfremat.remat_sequential(layers, budget_bytes=10**9, sample_input=x)
+  tfremat.remat_sequential(layers, budget="1GiB", sample_input=x)
   norms = [layer.layers[1] for layer in layers]
   for norm in norms:
     np.testing.assert_array_equal(norm.moving_mean.numpy(), 0.0)
     np.testing.assert_array_equal(norm.moving_variance.numpy(), 1.0)
+
+
+# Issue "Keras and Lingvo users' first hour" [5]: budgets a person can give.
+
+@pytest.mark.parametrize("given,num_bytes,fraction", [
+    (200 * 2**20, 200 * 2**20, None), (np.int64(4096), 4096, None),
+    ("200MiB", 200 * 2**20, None), ("1.5 GB", 1_500_000_000, None),
+    ("64kib", 65536, None), ("4096", 4096, None),
+    (0.5, None, 0.5), (np.float32(0.25), None, 0.25), (1.0, None, 1.0),
+    ("50%", None, 0.5), (" 100 % ", None, 1.0)])
+def test_budget_reads_bytes_units_fractions_and_percentages(
+    given, num_bytes, fraction):
+  budget = planner.Budget.parse(given)
+  assert (budget.num_bytes, budget.fraction) == (num_bytes, fraction)
+  keep = 1000
+  assert budget.bytes_given(keep) == (
+      num_bytes if num_bytes is not None else int(fraction * keep))
+
+
+@pytest.mark.parametrize("given,error,match", [
+    ("abc", ValueError, "A budget is bytes as an int"),
+    ("5 parsecs", ValueError, "A budget is bytes as an int"),
+    (float("nan"), ValueError, "fraction of the keep-everything peak"),
+    (1.5, ValueError, "fraction of the keep-everything peak"),
+    (0.0, ValueError, "fraction of the keep-everything peak"),
+    ("150%", ValueError, "percentage budget must be in"),
+    (0, ValueError, "must be positive"),
+    (-5, ValueError, "must be positive"),
+    (True, TypeError, "A budget is bytes as an int"),
+    ([100], TypeError, "A budget is bytes as an int")])
+def test_bad_budgets_fail_before_anything_is_measured(
+    monkeypatch, given, error, match):
+  def measured(*args, **kwargs):
+    raise AssertionError("measured before the budget was checked")
+
+  monkeypatch.setattr(planner, "measure_layer", measured)
+  monkeypatch.setattr(planner, "measure_peak", measured)
+  blocks = models.residual_mlp(2, 4, dropout=0.0, residual_inside=True)
+  with pytest.raises(error, match=match):
+    tfremat.remat_sequential(blocks, budget=given,
+                             sample_input=np.ones([2, 4], "float32"))
+  with pytest.raises(error, match=match):
+    tfremat.builder.Base.Params().Instantiate()._RematerializeSeq(
+        "s", None, budget=given, sample_input=np.ones([2, 4], "float32"))
+
+
+def _stand_in_allocator(monkeypatch, costs, error=1.0):
+  """planner.measure_peak replaced by the model's peak times `error`."""
+  def measure(layer, x):
+    del x
+    return int(error * planner.predict(costs, layer.segments)[0])
+
+  monkeypatch.setattr(planner, "measure_peak", measure)
+  return planner.predict(costs, planner.keep_all(len(costs)))[0] * error
+
+
+@pytest.mark.parametrize("given", [0.5, "50%"])
+def test_fraction_budget_is_of_the_measured_keep_everything_peak(
+    monkeypatch, given):
+  costs = _random_chain(np.random.default_rng(6), 8)
+  keep_peak = int(_stand_in_allocator(monkeypatch, costs, error=1.1))
+  layers = [keras.layers.Identity() for _ in costs]
+  chosen = tfremat.layers.checked_plan(layers, given, None, costs=costs)
+  assert chosen.budget_bytes == int(0.5 * keep_peak)
+  assert chosen.measured_keep_peak_bytes == keep_peak
+  assert chosen.measured_peak_bytes <= chosen.budget_bytes
+  assert "50% of the measured peak of keeping everything" in str(chosen)
+
+
+def test_plan_printout_compares_measured_with_measured_and_says_which():
+  # The old printout put the model's peak (above the budget) beside the
+  # measured one (below it) and named two different "no remat" peaks.
+  costs = _random_chain(np.random.default_rng(7), 4)
+  segments = planner.uniform_segments(4, 2)
+  chosen = planner.Plan(costs, segments)
+  chosen.budget_bytes = int(0.9 * chosen.peak_bytes)  # Model: over.
+  chosen.budget = planner.Budget.parse(0.4)
+  chosen.measured_peak_bytes = int(0.8 * chosen.peak_bytes)  # Measured: in.
+  chosen.measured_keep_peak_bytes = 2 * chosen.measured_peak_bytes
+  summary = str(chosen).splitlines()[5:]
+  assert summary[0].startswith("budget") and "40% of the measured peak" in summary[0]
+  assert summary[1].startswith("measured peak")
+  assert "within the budget" in summary[1]
+  assert "0.50x of keeping everything, measured" in summary[1]
+  assert summary[2].startswith("cost model's peak") and "by the model" in (
+      summary[2])
+  assert summary[3].startswith("cost model's time")
+  assert "chosen on its measured peak" in summary[4]
+  assert "no remat" not in str(chosen)
+  chosen.measured_peak_bytes = chosen.budget_bytes + 1
+  assert "over the budget, within the 5% allowance" in str(chosen)
+
+
+def test_checked_plan_shows_progress_without_escape_codes_in_a_log(
+    monkeypatch, capsys):
+  costs = _random_chain(np.random.default_rng(6), 8)
+  keep_peak = _stand_in_allocator(monkeypatch, costs)
+  layers = [keras.layers.Identity() for _ in costs]
+  tfremat.layers.checked_plan(layers, int(0.5 * keep_peak), None, costs=costs,
+                              verbose=1)
+  out = capsys.readouterr().out
+  assert "measurement" in out, out
+  assert "\x1b" not in out and "\r" not in out and "\b" not in out, repr(out)
+  tfremat.layers.checked_plan(layers, int(0.5 * keep_peak), None, costs=costs)
+  assert capsys.readouterr().out == ""
+
+
+def test_remat_sequential_accepts_a_keras_sequential():
+  blocks = models.residual_mlp(3, 8, dropout=0.0, residual_inside=True)
+  chain = tfremat.remat_sequential(keras.Sequential(blocks), segments=3)
+  assert chain.chain == blocks
+  x = np.ones([2, 8], "float32")
+  assert_trees_close(chain(x), keras.Sequential(blocks)(x))
+  with pytest.raises(TypeError, match="Pass \\[layer\\]"):
+    tfremat.remat_sequential(blocks[0], segments=1)
+
+
+def test_plan_prints_the_same_after_a_keras_file(tmp_path):
+  blocks = models.residual_mlp(3, 16, dropout=0.0, residual_inside=True)
+  x = tf.random.stateless_normal([64, 16], seed=[1, 2])
+  layer = tfremat.remat_sequential(blocks, budget="100%", sample_input=x,
+                                   verbose=0)
+  inputs = keras.Input((16,))
+  keras.Model(inputs, layer(inputs)).save(tmp_path / "m.keras")
+  loaded = keras.models.load_model(tmp_path / "m.keras").layers[1]
+  assert str(loaded.plan) == str(layer.plan)
+  assert "100% of the measured peak of keeping" in str(loaded.plan)
+  assert loaded.segments == layer.segments

@@ -4,14 +4,15 @@ import os
 
 # The planner and the benchmark measure a step's peak with the allocator's
 # statistics, which TensorFlow keeps on the CPU only with its BFC allocator.
-# It takes effect if TensorFlow has not run an op yet; `bench.peak_step_bytes`
-# says what to do otherwise.
+# It takes effect if TensorFlow has not run an op yet;
+# `measure.peak_bytes` says what to do otherwise.
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from tfremat import builder
 from tfremat import hyperparams
+from tfremat import measure
 from tfremat import planner
 from tfremat.layers import RematerializationLayer
 from tfremat.layers import RematSequential

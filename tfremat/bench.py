@@ -203,6 +203,7 @@ def uniform_schemes(num_blocks):
 def _schemes_and_plans(fractions, progress):
   """Measures uniform schemes and planner choices; returns result rows."""
   import tfremat  # pylint: disable=g-import-not-at-top
+  from tfremat import measure  # pylint: disable=g-import-not-at-top
   from tfremat import planner  # pylint: disable=g-import-not-at-top
   blocks, x = chain_and_batch(FLAGS.model, _sizes(), FLAGS.dropout)
   rows, steps = [], []
@@ -210,10 +211,8 @@ def _schemes_and_plans(fractions, progress):
   def run(name, kind, segments, fraction=None):
     layer = tfremat.RematSequential(blocks, segments)
     step = planner.training_step(layer, jit=FLAGS.jit)
-    step(x)
     rows.append({"scheme": name, "kind": kind, "budget_fraction": fraction,
-                 "peak_bytes": int(peak_step_bytes(
-                     step, x, calls=planner.PEAK_CALLS)),
+                 "peak_bytes": measure.peak_bytes(step, x),
                  "step_seconds": None,
                  "rematerialized": sum(s.stop - s.start for s in segments
                                        if s.remat)})
@@ -237,8 +236,8 @@ def _schemes_and_plans(fractions, progress):
       continue
     print(f"\nplanner at {fraction:.0%} of {full / 2**20:.1f} MiB:\n{chosen}")
     run(f"planner {fraction:.0%}", "planner", chosen.segments, fraction)
-  # Timed round-robin in shuffled order (see planner.median_seconds).
-  seconds = planner.median_seconds(steps, x, FLAGS.steps)
+  # Timed round-robin in shuffled order (see measure.median_seconds).
+  seconds = measure.median_seconds(steps, x, repeats=FLAGS.steps)
   for row, step_seconds in zip(rows, seconds):
     row["step_seconds"] = step_seconds
   return rows
@@ -320,43 +319,6 @@ def plot_pareto(rows, path, title):
   return True
 
 
-def memory_device():
-  """The device whose allocator statistics measure a step: the first GPU if
-  there is one, else the CPU."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
-
-
-def peak_step_bytes(step, *args, calls=1):
-  """Peak allocator bytes of a `step(*args)` call above the prior level; the
-  largest over `calls` calls.
-
-  `step` must already be traced (call it once first), so that tracing and
-  compilation are not measured. The peak of one traced step varies from
-  call to call (by up to 10% on the 2-core CPU machine: the executor's
-  threads order independent ops differently), hence `calls`.
-  """
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  device = memory_device()
-  try:
-    tf.config.experimental.get_memory_info(device)
-  except ValueError as e:
-    raise RuntimeError(
-        f"TensorFlow keeps no allocator statistics for {device}, so a step's "
-        "peak cannot be measured. On the CPU they need the BFC allocator: "
-        "set TF_CPU_ALLOCATOR_USE_BFC=true in the environment, or import "
-        "tfremat before TensorFlow runs its first op.") from e
-  peaks = []
-  for _ in range(calls):
-    tf.config.experimental.reset_memory_stats(device)
-    baseline = tf.config.experimental.get_memory_info(device)["current"]
-    result = step(*args)
-    tf.nest.map_structure(np.asarray, result)  # Wait for the step to finish.
-    peaks.append(
-        tf.config.experimental.get_memory_info(device)["peak"] - baseline)
-  return max(peaks)
-
-
 def _mode_name():
   return "eager" if FLAGS.eager else "XLA" if FLAGS.jit else "tf.function"
 
@@ -373,11 +335,11 @@ def measure_methods(methods, progress=None):
   Every method builds the same model (same weights and dropout seeds). A
   throwaway step runs first, so that TensorFlow's one-time start-up costs
   fall on no method's first call. Step times are medians over rounds that
-  call every method once, in shuffled order (`planner.median_seconds`), so a
+  call every method once, in shuffled order (`measure.median_seconds`), so a
   drift in the machine's speed touches all methods alike.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tfremat import planner  # pylint: disable=g-import-not-at-top
+  from tfremat import measure  # pylint: disable=g-import-not-at-top
   make = lambda method: make_step(FLAGS.model, method, FLAGS.jit, _sizes(),
                                   FLAGS.dropout, FLAGS.eager)
   warm_step, batch = make("none")
@@ -389,13 +351,12 @@ def measure_methods(methods, progress=None):
     grads = [np.asarray(tf.convert_to_tensor(g)) for g in step(batch)]
     first_call = time.perf_counter() - start
     results[method] = {
-        "peak_bytes": int(peak_step_bytes(step, batch,
-                                          calls=planner.PEAK_CALLS)),
+        "peak_bytes": measure.peak_bytes(step, batch, warmup=False),
         "first_call_seconds": first_call, "grads": grads}
     steps.append(step)
     if progress is not None:
       progress.add(1)
-  seconds = planner.median_seconds(steps, batch, FLAGS.steps)
+  seconds = measure.median_seconds(steps, batch, repeats=FLAGS.steps)
   for method, step_seconds in zip(methods, seconds):
     results[method]["step_seconds"] = step_seconds
   if not FLAGS.eager:

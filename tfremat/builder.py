@@ -88,28 +88,39 @@ class Base:
     """Recomputes `body`'s activations in the backward pass."""
     return RematerializationLayer.Params().Set(name=name, body=body)
 
-  def _RematerializeSeq(self, name, segments, *subs, budget_bytes=None,
-                        sample_input=None):
+  def _RematerializeSeq(self, name, segments, *subs, budget=None,
+                        sample_input=None, budget_bytes=None):
     """_Seq(*subs), split into segments that are rematerialized or kept.
 
     Args:
       name: the stack's name.
       segments: an int, or "sqrt" for about sqrt(len(subs)) equal segments
-        (Chen et al. 2016), all rematerialized; None with `budget_bytes`.
+        (Chen et al. 2016), all rematerialized; None with `budget`.
       *subs: the sub-layers' Params.
-      budget_bytes: instead of `segments`: instantiate the sub-layers, measure
-        them on `sample_input` and keep the planner's choice
-        (`tfremat.planner.plan`), the fastest that fits the budget.
-      sample_input: a batch to measure on, with `budget_bytes`.
+      budget: instead of `segments`: instantiate the sub-layers, measure them
+        on `sample_input` and keep the planner's choice, the fastest that
+        fits. Bytes, "200MiB", or a fraction of the keep-everything peak
+        (0.5, "50%"), as in `tfremat.remat_sequential`.
+      sample_input: a batch to measure on, with `budget`.
+      budget_bytes: the older name of `budget`.
     """
-    if (segments is None) == (budget_bytes is None):
+    if budget_bytes is not None:
+      if budget is not None:
+        raise ValueError("_RematerializeSeq: give budget or budget_bytes (its "
+                         "older name), not both.")
+      budget = budget_bytes
+    if (segments is None) == (budget is None):
       raise ValueError(
           "_RematerializeSeq: give either segments (an int or \"sqrt\") or "
-          "budget_bytes with sample_input, not both or neither.")
+          "budget with sample_input, not both or neither.")
     if segments is not None:
       chosen = planner.uniform_segments(len(subs), segments)
     else:
-      chosen = checked_plan([p.Instantiate() for p in subs], budget_bytes,
+      budget = planner.Budget.parse(budget)  # Before instantiating anything.
+      if sample_input is None:
+        raise ValueError("_RematerializeSeq: budget needs sample_input, a "
+                         "batch to measure the sub-layers on.")
+      chosen = checked_plan([p.Instantiate() for p in subs], budget,
                             sample_input).segments
     parts = []
     for i, seg in enumerate(chosen):

@@ -16,6 +16,7 @@ import keras
 import numpy as np
 
 from tfremat import hyperparams
+from tfremat import measure
 from tfremat import planner
 from tfremat import remat
 
@@ -159,23 +160,25 @@ class RematSequential(keras.layers.Layer):
   segments run their layers directly.
 
   Args:
-    layers: the chain's Keras layers, each taking the previous one's output.
+    layers: the chain's Keras layers, each taking the previous one's output,
+      or a `keras.Sequential` of them.
     segments: `(start, stop, remat)` triples covering the chain in order.
+    plan: the planner's `Plan` that chose the segments, if it did; kept in
+      the layer's config, so `.plan` prints the same after a `.keras` file
+      is saved and loaded.
   """
 
-  def __init__(self, layers, segments, **kwargs):
-    layers = list(layers)
-    bad = [l for l in layers if not isinstance(l, keras.layers.Layer)]
-    if not layers or bad:
-      raise TypeError(
-          "RematSequential needs a non-empty list of Keras layers; got "
-          f"{[type(l).__name__ for l in bad] or 'an empty list'}.")
+  def __init__(self, layers, segments, plan=None, **kwargs):
+    layers = _chain_layers(layers, "RematSequential")
     segments = [s if isinstance(s, planner.Segment) else planner.Segment(*s)
                 for s in segments]
     planner.check_segments(segments, len(layers))
     super().__init__(**kwargs)
     self.chain = layers
     self.segments = segments
+    if isinstance(plan, dict):
+      plan = planner.Plan.from_config(plan)
+    self.plan = plan
     self.steps = []
     for seg in segments:
       part = layers[seg.start:seg.stop]
@@ -200,6 +203,7 @@ class RematSequential(keras.layers.Layer):
         **super().get_config(),
         "layers": [keras.saving.serialize_keras_object(l) for l in self.chain],
         "segments": [[s.start, s.stop, s.remat] for s in self.segments],
+        "plan": self.plan.get_config() if self.plan else None,
     }
 
   @classmethod
@@ -210,44 +214,86 @@ class RematSequential(keras.layers.Layer):
     return cls(layers, **config)
 
 
-def remat_sequential(layers, segments=None, budget_bytes=None,
-                     sample_input=None):
+def _chain_layers(layers, caller):
+  """`layers` as a list of Keras layers: a `keras.Sequential`'s own, or the
+  given iterable's; TypeError otherwise."""
+  if isinstance(layers, keras.Sequential):
+    layers = layers.layers
+  elif isinstance(layers, keras.layers.Layer):
+    raise TypeError(
+        f"{caller} needs a list of Keras layers or a keras.Sequential; got "
+        f"one {type(layers).__name__}. Pass [layer] for a chain of one.")
+  layers = list(layers)
+  bad = [l for l in layers if not isinstance(l, keras.layers.Layer)]
+  if not layers or bad:
+    raise TypeError(
+        f"{caller} needs a non-empty list of Keras layers or a "
+        f"keras.Sequential; got "
+        f"{[type(l).__name__ for l in bad] or 'an empty list'}.")
+  return layers
+
+
+def remat_sequential(layers, segments=None, budget=None, sample_input=None,
+                     verbose=1, budget_bytes=None):
   """A Keras layer running `layers` in order, with chosen rematerialization.
 
+  Either uniform segments:
+
+    chain = tfremat.remat_sequential(blocks, segments="sqrt")
+
+  or the planner's choice for a memory budget, measured on a sample batch:
+
+    chain = tfremat.remat_sequential(blocks, budget="50%", sample_input=x)
+    print(chain.plan)
+
   Args:
-    layers: Keras layers, each taking the previous one's output.
+    layers: Keras layers, each taking the previous one's output, or a
+      `keras.Sequential` of them.
     segments: an int, or "sqrt" for about sqrt(len(layers)) equal segments,
       every one rematerialized (Chen et al. 2016).
-    budget_bytes: instead of `segments`: measure the chain on
-      `sample_input` and rematerialize what the planner picks, the fastest
-      choice whose predicted training-step peak fits the budget.
+    budget: instead of `segments`, a budget for a training step's peak
+      memory (`tfremat.measure.peak_bytes`): bytes as an int or a string
+      with a unit ("200MiB"), or a fraction of the measured peak of keeping
+      everything, as a float in (0, 1] or a percentage ("50%"). The chain is
+      measured on `sample_input`, and the planner picks the fastest choice
+      that fits, checked by measurement (`checked_plan`). Every variable of
+      `layers` is left as it was.
     sample_input: a batch like the ones the chain will train on.
+    verbose: 1 shows a progress bar while the chain is measured; 0 shows
+      nothing.
+    budget_bytes: the older name of `budget`.
 
   Returns:
     A `RematSequential` layer; `.plan` holds the planner's Plan when a budget
-    was given.
+    was given (also after saving and loading), else None.
+
+  Raises:
+    ValueError, TypeError: bad arguments, before anything is measured.
   """
-  if (segments is None) == (budget_bytes is None):
+  if budget_bytes is not None:
+    if budget is not None:
+      raise ValueError("remat_sequential: give budget or budget_bytes (its "
+                       "older name), not both.")
+    budget = budget_bytes
+  if (segments is None) == (budget is None):
     raise ValueError(
         "remat_sequential: give either segments (an int or \"sqrt\") or "
-        "budget_bytes with sample_input, not both or neither.")
-  if budget_bytes is not None and sample_input is None:
-    raise ValueError(
-        "remat_sequential: budget_bytes needs sample_input, a batch to "
-        "measure the layers on.")
-  layers = list(layers)
+        "budget with sample_input, not both or neither.")
+  layers = _chain_layers(layers, "remat_sequential")
   if segments is not None:
-    result = RematSequential(layers,
-                             planner.uniform_segments(len(layers), segments))
-    result.plan = None
-    return result
-  chosen = checked_plan(layers, budget_bytes, sample_input)
-  result = RematSequential(layers, chosen.segments)
-  result.plan = chosen
-  return result
+    return RematSequential(layers,
+                           planner.uniform_segments(len(layers), segments))
+  budget = planner.Budget.parse(budget)
+  if sample_input is None:
+    raise ValueError(
+        "remat_sequential: budget needs sample_input, a batch to measure the "
+        "layers on.")
+  chosen = checked_plan(layers, budget, sample_input, verbose=verbose)
+  return RematSequential(layers, chosen.segments, plan=chosen)
 
 
-def checked_plan(layers, budget_bytes, sample_input, rounds=4, costs=None):
+def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
+                 verbose=0):
   """The planner's plan for `layers`, checked against measurements.
 
   The cost model's peaks are estimates: on the benchmark's models they were
@@ -267,14 +313,18 @@ def checked_plan(layers, budget_bytes, sample_input, rounds=4, costs=None):
      measured.
 
   The result is the fastest (by the model) plan measured within the budget,
-  else the lowest one within the slack. It carries `measured_peak_bytes`.
+  else the lowest one within the slack. It carries `measured_peak_bytes` and
+  `measured_keep_peak_bytes`.
 
   Args:
     layers: the chain.
-    budget_bytes: the budget for a training step's peak.
+    budget: the budget for a training step's peak, in any form
+      `planner.Budget.parse` reads (bytes, "200MiB", 0.5, "50%"); a fraction
+      is of the measured peak of keeping everything.
     sample_input: the batch to measure on.
     rounds: how many plans to measure at most.
     costs: `planner.measure_chain(layers, sample_input)`, if already known.
+    verbose: 1 shows a progress bar over the measurements.
 
   Every variable of `layers` is left as it was: measuring runs training
   steps, which move BatchNormalization statistics and advance dropout seed
@@ -285,8 +335,15 @@ def checked_plan(layers, budget_bytes, sample_input, rounds=4, costs=None):
       the calibrated model predicts to fit), or none measured within the
       budget.
   """
+  budget = planner.Budget.parse(budget)
+  steps = (len(layers) + (len(layers) > 1) if costs is None else 0) + 1
+  progress = measure.progress_bar(steps + rounds, "measurement", verbose)
   with _variables_restored(layers, sample_input):
-    return _measured_plan(layers, budget_bytes, sample_input, rounds, costs)
+    chosen = _measured_plan(layers, budget, sample_input, rounds, costs,
+                            progress)
+  if progress is not None:
+    progress.update(progress.target, finalize=True)
+  return chosen
 
 
 @contextlib.contextmanager
@@ -309,15 +366,31 @@ def _variables_restored(layers, sample_input):
       variable.assign(value)
 
 
-def _measured_plan(layers, budget_bytes, sample_input, rounds, costs):
+def _measured_plan(layers, budget, sample_input, rounds, costs, progress):
   """`checked_plan`'s measuring and planning."""
   if costs is None:
-    costs = planner.measure_chain(layers, sample_input)
+    costs = planner.measure_chain(layers, sample_input, progress=progress)
   # Keeping everything is the fastest plan; use it whenever it really fits,
   # whatever the model predicts.
-  keep = planner.Plan(costs, planner.keep_all(len(layers)), budget_bytes)
-  keep.measured_peak_bytes = planner.measure_peak(
-      RematSequential(layers, keep.segments), sample_input)
+  keep = planner.Plan(costs, planner.keep_all(len(layers)))
+  keep_peak = planner.measure_peak(RematSequential(layers, keep.segments),
+                                   sample_input)
+  if progress is not None:
+    progress.add(1)
+  budget_bytes = budget.bytes_given(keep_peak)
+
+  def checked(plan, peak=None):
+    plan.budget_bytes, plan.budget = budget_bytes, budget
+    plan.measured_keep_peak_bytes = keep_peak
+    if peak is None:
+      peak = planner.measure_peak(RematSequential(layers, plan.segments),
+                                  sample_input)
+      if progress is not None:
+        progress.add(1)
+    plan.measured_peak_bytes = peak
+    return plan
+
+  keep = checked(keep, keep_peak)
   limit = budget_bytes * planner.MEASUREMENT_SLACK
   if keep.measured_peak_bytes <= limit:
     return keep
@@ -335,10 +408,7 @@ def _measured_plan(layers, budget_bytes, sample_input, rounds, costs):
     key = tuple(chosen.segments)
     if key in measured:
       break  # Converged: this target gives a plan already measured.
-    chosen.budget_bytes = budget_bytes
-    chosen.measured_peak_bytes = planner.measure_peak(
-        RematSequential(layers, chosen.segments), sample_input)
-    measured[key] = chosen
+    measured[key] = checked(chosen)
     # Recalibrate on this plan: the target at which the model's peak, scaled
     # by this plan's measured / predicted ratio, meets the budget.
     scaled = int(chosen.peak_bytes * budget_bytes /

@@ -5,9 +5,9 @@
   print(plan)                 # per-layer decisions, predicted peak and time
   layer = tfremat.remat_sequential(blocks, budget_bytes=..., sample_input=x)
 
-The budget bounds what `tfremat.bench` measures: the allocator's peak during
-one training step (forward, loss, backward) above what was allocated just
-before it. Weights and the input batch are not counted; activations,
+The budget bounds what `tfremat.measure.peak_bytes` measures: the
+allocator's peak during one training step (forward, loss, backward) above
+what was allocated just before it. Weights and the input batch are not counted; activations,
 temporaries and weight gradients are.
 
 A plan splits the chain into consecutive segments, each either kept (its
@@ -22,22 +22,17 @@ are not searched.
 
 import dataclasses
 import math
-import time
-
+import re
 import numpy as np
 import tensorflow as tf
+
+from tfremat import measure
 
 
 # A measured peak may exceed a budget by this factor and still count as
 # within it: allocator rounding and the order in which the executor runs
 # independent ops move a step's peak from one call to the next.
 MEASUREMENT_SLACK = 1.05
-
-# A measured peak is the largest of this many calls of a traced step: one
-# step's peak varies from call to call (on the benchmark's MLP, 97-107 MiB
-# over 18 calls of one plan).
-PEAK_CALLS = 5
-
 
 @dataclasses.dataclass(frozen=True)
 class LayerCost:
@@ -83,59 +78,86 @@ class Segment:
   remat: bool
 
 
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10,
+          "mib": 2**20, "gib": 2**30}
+_BUDGET_FORMS = (
+    "bytes as an int (200 * 2**20), a string with a unit (\"200MiB\", "
+    "\"1.5GB\"), or a fraction of the measured keep-everything peak as a "
+    "float in (0, 1] (0.5) or a percentage (\"50%\")")
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+  """A memory budget for a training step's peak: `num_bytes`, or `fraction`
+  of the measured peak of keeping everything. Made by `Budget.parse`."""
+  num_bytes: int = None
+  fraction: float = None
+
+  @classmethod
+  def parse(cls, value):
+    """A Budget from what a person writes: 200 * 2**20, "200MiB", 0.5,
+    "50%". Raises TypeError or ValueError naming the accepted forms."""
+    if isinstance(value, Budget):
+      return value
+    if isinstance(value, (bool, np.bool_)):
+      raise TypeError(f"A budget is {_BUDGET_FORMS}; got {value!r}.")
+    if isinstance(value, (int, np.integer)):
+      if value <= 0:
+        raise ValueError(f"A budget must be positive; got {value} bytes.")
+      return cls(num_bytes=int(value))
+    if isinstance(value, (float, np.floating)):
+      if not 0 < value <= 1:  # Also NaN.
+        raise ValueError(
+            f"A float budget is a fraction of the keep-everything peak, in "
+            f"(0, 1]; got {value!r}. Give bytes as an int or a string such as "
+            "\"200MiB\".")
+      return cls(fraction=float(value))
+    if isinstance(value, str):
+      match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(%|[a-zA-Z]*)\s*",
+                           value)
+      unit = match and match.group(2).lower()
+      if match and unit == "%":
+        if not 0 < float(match.group(1)) <= 100:
+          raise ValueError(
+              f"A percentage budget must be in (0%, 100%]; got {value!r}.")
+        return cls(fraction=float(match.group(1)) / 100)
+      if match and unit in _UNITS or match and not unit:
+        return cls.parse(int(float(match.group(1)) * _UNITS[unit or "b"]))
+      raise ValueError(f"A budget is {_BUDGET_FORMS}; got {value!r}.")
+    raise TypeError(f"A budget is {_BUDGET_FORMS}; got {value!r}.")
+
+  def bytes_given(self, keep_everything_bytes):
+    """The budget in bytes, given the measured peak of keeping everything."""
+    if self.num_bytes is not None:
+      return self.num_bytes
+    return int(self.fraction * keep_everything_bytes)
+
+  def __str__(self):
+    if self.num_bytes is not None:
+      return measure.format_bytes(self.num_bytes)
+    return f"{self.fraction:.0%} of the keep-everything peak"
+
+
 def _nbytes(tree):
   # Keras variables name their dtype with a string.
   return sum(int(np.prod(t.shape)) * tf.as_dtype(t.dtype).size
              for t in tf.nest.flatten(tree) if t is not None)
 
 
-def median_seconds(fns, x, repeats):
-  """Median seconds of each fn(x) over `repeats` rounds.
-
-  Each round calls every fn once, in a shuffled order: drift in the
-  machine's speed then touches all alike (timed one after another, two
-  functions doing the same work differed by 6%), and no fn always follows
-  the same one (and inherits, say, its allocator state). Each fn is called
-  once untimed first, to trace it.
-  """
-  for fn in fns:
-    fn(x)
-  times = [[] for _ in fns]
-  order = np.random.default_rng(0)
-  for _ in range(repeats):
-    for i in order.permutation(len(fns)):
-      start = time.perf_counter()
-      tf.nest.map_structure(np.asarray, fns[i](x))
-      times[i].append(time.perf_counter() - start)
-  return [float(np.median(t)) for t in times]
-
-
-def _peak_bytes(fn, x):
-  from tfremat import bench  # pylint: disable=g-import-not-at-top
-  fn(x)  # Trace outside the measurement.
-  return bench.peak_step_bytes(fn, x, calls=PEAK_CALLS)
-
-
 def _extra_peak_bytes(more, less, x):
   """How far `more(x)`'s peak exceeds `less(x)`'s.
 
-  The median, over PEAK_CALLS pairs of calls, of the difference of the two
-  calls' peaks. A difference of two maxima over calls was far noisier: for
+  The median, over `measure.PEAK_CALLS` pairs of calls, of the difference
+  of the two calls' peaks. A difference of two maxima over calls was far noisier: for
   one two-layer block it ranged over 0.5x-2.1x of the tensor it estimates,
   this median over 1.0x-1.25x.
   """
-  from tfremat import bench  # pylint: disable=g-import-not-at-top
   more(x)  # Trace outside the measurement.
   less(x)
   return int(np.median([
-      bench.peak_step_bytes(more, x) - bench.peak_step_bytes(less, x)
-      for _ in range(PEAK_CALLS)]))
-
-
-def _current_bytes():
-  from tfremat import bench  # pylint: disable=g-import-not-at-top
-  return tf.config.experimental.get_memory_info(
-      bench.memory_device())["current"]
+      measure.peak_bytes(more, x, calls=1, warmup=False) -
+      measure.peak_bytes(less, x, calls=1, warmup=False)
+      for _ in range(measure.PEAK_CALLS)]))
 
 
 def training_step(layer, applications=1, jit=False):
@@ -168,7 +190,7 @@ def measure_layer(layer, x, repeats=5):
   """Measures `layer` on input `x`; returns (LayerCost, its output).
 
   Times are medians of `repeats` calls of traced functions. Bytes come from
-  the allocator's statistics around traced calls (`bench.peak_step_bytes`).
+  the allocator's statistics around traced calls (`measure.peak_bytes`).
   What the layer keeps for its backward pass is estimated as what a second
   application adds to the peak: while the second one runs its backward pass,
   the first one's saved tensors and output are held (an estimate: the two
@@ -185,20 +207,21 @@ def measure_layer(layer, x, repeats=5):
   out, inp = _nbytes(y), _nbytes(x)
   grads = _nbytes(layer.trainable_weights)
   once = training_step(layer)
-  peak_once = _peak_bytes(once, x)
+  peak_once = measure.peak_bytes(once, x)
   if y.shape == x.shape and y.dtype == x.dtype:
     # The second application's weight gradients add to the first's in place.
     saved = _extra_peak_bytes(training_step(layer, 2), once, x) - out
   else:
-    before = _current_bytes()
+    before = measure.current_bytes()
     with tf.GradientTape() as tape:
       tape.watch(x)
       held = layer(x, training=True)
-      saved = _current_bytes() - before - out
+      saved = measure.current_bytes() - before - out
     del tape, held
   saved = max(0, saved)
-  fwd_peak = _peak_bytes(forward, x)
-  fwd_s, both_s = median_seconds([forward, once], x, repeats)
+  fwd_peak = measure.peak_bytes(forward, x)
+  fwd_s, both_s = measure.median_seconds([forward, once], x,
+                                        repeats=repeats)
   cost = LayerCost(
       name=layer.name,
       forward_seconds=fwd_s,
@@ -216,10 +239,10 @@ def measure_layer(layer, x, repeats=5):
 def measure_peak(layer, x):
   """Measured peak bytes of one training step (forward + backward) of
   `layer` on `x`, the quantity a budget bounds."""
-  return _peak_bytes(training_step(layer), x)
+  return measure.peak_bytes(training_step(layer), x)
 
 
-def measure_chain(layers, sample_input, repeats=5):
+def measure_chain(layers, sample_input, repeats=5, progress=None):
   """Measures each layer of a chain in turn; returns a list of LayerCost.
 
   Then measures what long rematerialized segments cost beyond their layers'
@@ -231,11 +254,16 @@ def measure_chain(layers, sample_input, repeats=5):
   the chain is timed both ways, `repeats` times round-robin, and the
   difference is spread over the layers that wait, in proportion to their
   forward time, as `waiting_recompute_seconds`.
+
+  `progress`, a Keras Progbar if given, advances by one per layer and one for
+  the chain's timing.
   """
+  advance = progress.add if progress is not None else lambda _: None
   costs, x = [], tf.convert_to_tensor(sample_input)
   for layer in layers:
     cost, x = measure_layer(layer, x, repeats)
     costs.append(cost)
+    advance(1)
   if len(costs) < 2:
     return costs
   from tfremat import layers as layers_lib  # pylint: disable=g-import-not-at-top
@@ -243,7 +271,8 @@ def measure_chain(layers, sample_input, repeats=5):
   steps = [training_step(layers_lib.RematSequential(layers, segments))
            for segments in ([Segment(i, i + 1, True) for i in range(n)],
                             [Segment(0, n, True)])]
-  singles, whole = median_seconds(steps, x, repeats)
+  singles, whole = measure.median_seconds(steps, x, repeats=repeats)
+  advance(1)
   waiting = sum(c.forward_seconds for c in costs[:-1])
   ratio = max(0.0, whole - singles) / waiting if waiting else 0.0
   return [dataclasses.replace(
@@ -375,14 +404,28 @@ def smallest_budget(costs):
 
 
 class Plan:
-  """Which layers to rematerialize, with the cost model's predictions."""
+  """Which layers to rematerialize, with the cost model's predictions.
 
-  def __init__(self, costs, segments, budget_bytes=None):
+  Attributes:
+    costs, segments: the chain's measured LayerCosts and the chosen segments.
+    budget_bytes: the budget in bytes, or None.
+    budget: the Budget as given (bytes or a fraction), or None.
+    peak_bytes, seconds: the cost model's peak and step time for this plan.
+    baseline_peak_bytes, baseline_seconds: the same for keeping everything.
+    measured_peak_bytes: this plan's measured peak (set when
+      `remat_sequential` checks it), else None.
+    measured_keep_peak_bytes: the measured peak of keeping everything, else
+      None.
+  """
+
+  def __init__(self, costs, segments, budget_bytes=None, budget=None):
     self.costs = list(costs)
     self.segments = list(segments)
     self.budget_bytes = budget_bytes
+    self.budget = budget
     self.peak_bytes, self.seconds = predict(costs, segments)
-    self.measured_peak_bytes = None  # Set by remat_sequential's check.
+    self.measured_peak_bytes = None
+    self.measured_keep_peak_bytes = None
     self.baseline_peak_bytes, self.baseline_seconds = predict(
         costs, keep_all(len(costs)))
 
@@ -391,8 +434,30 @@ class Plan:
     """Per layer: whether it is rematerialized."""
     return [s.remat for s in self.segments for _ in range(s.start, s.stop)]
 
+  def get_config(self):
+    """A JSON-able dict; `Plan.from_config` makes the same Plan from it."""
+    return {
+        "costs": [dataclasses.asdict(c) for c in self.costs],
+        "segments": [[s.start, s.stop, s.remat] for s in self.segments],
+        "budget_bytes": self.budget_bytes,
+        "budget": dataclasses.asdict(self.budget) if self.budget else None,
+        "measured_peak_bytes": self.measured_peak_bytes,
+        "measured_keep_peak_bytes": self.measured_keep_peak_bytes,
+    }
+
+  @classmethod
+  def from_config(cls, config):
+    budget = config.get("budget")
+    result = cls([LayerCost(**c) for c in config["costs"]],
+                 [Segment(*s) for s in config["segments"]],
+                 config.get("budget_bytes"),
+                 Budget(**budget) if budget else None)
+    result.measured_peak_bytes = config.get("measured_peak_bytes")
+    result.measured_keep_peak_bytes = config.get("measured_keep_peak_bytes")
+    return result
+
   def __str__(self):
-    mib = lambda b: f"{b / 2**20:.1f} MiB"
+    mib = measure.format_bytes
     lines = [f"{'layer':<24}{'decision':<18}{'saved':>11}{'output':>11}"
              f"{'fwd ms':>9}{'wait ms':>9}"]
     for k, seg in enumerate(self.segments):
@@ -403,16 +468,41 @@ class Plan:
                      f"{mib(c.output_bytes):>11}"
                      f"{1000 * c.forward_seconds:>9.2f}"
                      f"{1000 * c.waiting_recompute_seconds:>9.2f}")
-    extra = self.seconds / self.baseline_seconds - 1
-    budget = (f" (budget {mib(self.budget_bytes)})"
-              if self.budget_bytes is not None else "")
-    measured = (f"measured peak {mib(self.measured_peak_bytes)}; "
-                if self.measured_peak_bytes is not None else "")
-    lines.append(
-        f"{measured}predicted peak {mib(self.peak_bytes)}{budget}, "
-        f"{self.peak_bytes / self.baseline_peak_bytes:.2f}x of no remat "
-        f"({mib(self.baseline_peak_bytes)}); predicted step time "
-        f"{1000 * self.seconds:.1f} ms, {100 * extra:+.1f}% over no remat")
+    # Measured figures are compared with measured ones, the cost model's with
+    # the cost model's, and every line says which it is.
+    rows = []
+    if self.budget_bytes is not None:
+      given = ""
+      keep = self.measured_keep_peak_bytes
+      if self.budget is not None and self.budget.fraction is not None:
+        given = (f"{self.budget.fraction:.0%} of the measured peak of keeping "
+                 "everything" + (f" ({mib(keep)})" if keep else ""))
+      rows.append(("budget", mib(self.budget_bytes), given))
+    keep = self.measured_keep_peak_bytes
+    if self.measured_peak_bytes is not None:
+      verdict = ""
+      if self.budget_bytes is not None:
+        verdict = ("within the budget"
+                   if self.measured_peak_bytes <= self.budget_bytes else
+                   f"over the budget, within the {MEASUREMENT_SLACK - 1:.0%} "
+                   "allowance for call-to-call variation")
+      versus = (f"{self.measured_peak_bytes / keep:.2f}x of keeping "
+                f"everything, measured ({mib(keep)})" if keep else "")
+      rows.append(("measured peak", mib(self.measured_peak_bytes),
+                   "; ".join(t for t in (verdict, versus) if t)))
+    rows.append(("cost model's peak", mib(self.peak_bytes),
+                 f"{self.peak_bytes / self.baseline_peak_bytes:.2f}x of "
+                 f"keeping everything, by the model "
+                 f"({mib(self.baseline_peak_bytes)})"))
+    rows.append(("cost model's time", f"{1000 * self.seconds:.1f} ms",
+                 f"{100 * (self.seconds / self.baseline_seconds - 1):+.1f}% "
+                 "over keeping everything, by the model"))
+    lines += [f"{name:<19}{value:>11}  {note}".rstrip()
+              for name, value, note in rows]
+    if (self.measured_peak_bytes is not None and
+        self.budget_bytes is not None and self.peak_bytes > self.budget_bytes):
+      lines.append("(The cost model's peaks are estimates; the plan was "
+                   "chosen on its measured peak.)")
     return "\n".join(lines)
 
 

@@ -1,0 +1,149 @@
+"""Measure what a training step costs: its peak memory and its time.
+
+  step = tf.function(train_step)          # or model.train_on_batch, or eager
+  peak = tfremat.measure.peak_bytes(step, x, y)
+  print(tfremat.measure.format_bytes(peak))         # e.g. "79.0 MiB"
+  saved = 1 - peak_with_remat / peak_without_remat  # what remat saved
+
+A step's peak is the allocator's peak during one call above what was
+allocated just before it: weights, optimizer slots and the batch are not
+counted; activations, temporaries and gradients are. That is what
+rematerialization changes and what the planner's budgets bound. The benchmark,
+the planner and the examples all measure with this module.
+
+It measures the first GPU when there is one, else the CPU. On the CPU,
+TensorFlow keeps allocator statistics only with its BFC allocator, which
+importing tfremat turns on (TF_CPU_ALLOCATOR_USE_BFC=true) if TensorFlow has
+not run an op yet.
+"""
+
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+
+# The peak of one traced step varies from call to call (by up to 10% on a
+# 2-core CPU machine: the executor's threads order independent ops
+# differently; on the benchmark's MLP, 97-107 MiB over 18 calls of one
+# step), so `peak_bytes` takes the largest over this many calls by default.
+PEAK_CALLS = 5
+
+
+def memory_device():
+  """The device whose allocator is measured: the first GPU if there is one,
+  else the CPU."""
+  return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+
+
+def _check_statistics(device):
+  try:
+    tf.config.experimental.get_memory_info(device)
+  except ValueError as e:
+    raise RuntimeError(
+        f"TensorFlow keeps no allocator statistics for {device}, so a step's "
+        "peak cannot be measured. On the CPU they need the BFC allocator: "
+        "set TF_CPU_ALLOCATOR_USE_BFC=true in the environment, or import "
+        "tfremat before TensorFlow runs its first op.") from e
+
+
+def current_bytes():
+  """Bytes the measured device's allocator holds now."""
+  device = memory_device()
+  _check_statistics(device)
+  return tf.config.experimental.get_memory_info(device)["current"]
+
+
+def peak_bytes(step, *args, calls=PEAK_CALLS, warmup=True, **kwargs):
+  """The peak memory of calling `step(*args, **kwargs)`, in bytes.
+
+  The allocator's peak during a call above its level just before the call;
+  the largest over `calls` calls. Every call's result is waited for, so
+  asynchronous execution does not hide part of the step.
+
+  Args:
+    step: a training step: a `tf.function`, an eager function, or a Keras
+      model's `train_on_batch`. Each call must leave the model in a state
+      that the next call can run from (it trains: weights change).
+    *args: the step's arguments.
+    calls: how many calls to measure; the largest peak is returned.
+    warmup: call `step` once first, unmeasured, so that tracing and XLA
+      compilation (and creating optimizer slots) are not counted. Pass False
+      only for a step already called with arguments of these shapes.
+    **kwargs: the step's keyword arguments.
+
+  Returns:
+    An int, bytes.
+
+  Raises:
+    RuntimeError: TensorFlow keeps no allocator statistics for the device
+      (the message says how to turn them on).
+    ValueError: `calls` is not a positive int.
+  """
+  if isinstance(calls, bool) or not isinstance(calls, int) or calls < 1:
+    raise ValueError(f"calls must be a positive int; got {calls!r}.")
+  device = memory_device()
+  _check_statistics(device)
+  if warmup:
+    _wait(step(*args, **kwargs))
+  peaks = []
+  for _ in range(calls):
+    tf.config.experimental.reset_memory_stats(device)
+    baseline = tf.config.experimental.get_memory_info(device)["current"]
+    _wait(step(*args, **kwargs))
+    peaks.append(
+        tf.config.experimental.get_memory_info(device)["peak"] - baseline)
+  return int(max(peaks))
+
+
+def _wait(result):
+  # Converting every tensor to numpy waits for the values.
+  tf.nest.map_structure(
+      lambda t: np.asarray(t) if tf.is_tensor(t) else t, result)
+
+
+def median_seconds(fns, *args, repeats=5):
+  """Median seconds of each `fn(*args)` over `repeats` rounds; a list.
+
+  Each round calls every fn once, in a shuffled order: drift in the
+  machine's speed then touches all alike (timed one after another, two
+  functions doing the same work differed by 6%), and no fn always follows
+  the same one (and inherits, say, its allocator state). Each fn is called
+  once untimed first, to trace it.
+  """
+  return [float(np.median(t)) for t in seconds(fns, *args, repeats=repeats)]
+
+
+def seconds(fns, *args, repeats=5):
+  """Every timed call of `median_seconds`: per fn, a list of `repeats`
+  seconds."""
+  for fn in fns:
+    _wait(fn(*args))
+  times = [[] for _ in fns]
+  order = np.random.default_rng(0)
+  for _ in range(repeats):
+    for i in order.permutation(len(fns)):
+      start = time.perf_counter()
+      _wait(fns[i](*args))
+      times[i].append(time.perf_counter() - start)
+  return times
+
+
+def format_bytes(num_bytes):
+  """Bytes as MiB with one decimal, e.g. '79.0 MiB'."""
+  return f"{num_bytes / 2**20:.1f} MiB"
+
+
+def progress_bar(target, unit_name, verbose=1):
+  """A Keras `Progbar` for `target` measurements, or None when `verbose` is 0.
+
+  On a terminal it redraws one line; elsewhere (a log file, CI) it prints a
+  single summary line at the end, without the escape codes and carriage
+  returns that a redrawn bar leaves in a log.
+  """
+  if not verbose:
+    return None
+  import keras  # pylint: disable=g-import-not-at-top
+  interactive = hasattr(sys.stdout, "isatty") and sys.stdout.isatty()
+  return keras.utils.Progbar(target, unit_name=unit_name,
+                             verbose=1 if interactive else 2)
