@@ -80,6 +80,49 @@ def test_dropout_helper_follows_deterministic_dropout():
     assert abs(kept.mean() - 0.7) < 0.05
 
 
+def _dropout_in_front_of_ten_weights():
+  drop = _b(deterministic_dropout=True)._Dropout("d", 0.5).Instantiate()
+  dense = keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")
+  inputs = keras.Input((10,))
+  return drop, dense, keras.Model(inputs, dense(drop(inputs)))
+
+
+def test_deterministic_dropout_masks_change_every_fit_step_without_calls():
+  # Issue "Keras and Lingvo users' first hour" [9]: with no SetGlobalStep
+  # call (the README's snippet), one mask was drawn for all of training and
+  # only 3 of these 10 weights ever moved in 20 fit steps.
+  tfremat.SetGlobalStep(None)
+  _, dense, model = _dropout_in_front_of_ten_weights()
+  model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+  model.fit(np.ones([1, 10], "float32"), np.ones([1, 1], "float32"),
+            batch_size=1, epochs=20, verbose=0)
+  moved = np.count_nonzero(dense.kernel.numpy())
+  assert moved == 10, dense.kernel.numpy().ravel()
+
+
+def test_deterministic_dropout_masks_change_every_call_of_a_custom_loop():
+  # [9] also: a tf.function traced before SetGlobalStep kept the constant.
+  tfremat.SetGlobalStep(None)
+  drop, _, _ = _dropout_in_front_of_ten_weights()
+  step = tf.function(lambda x: drop(x, training=True))
+  x = tf.ones([4, 10])
+  masks = [step(x).numpy() != 0 for _ in range(3)]
+  assert not np.array_equal(masks[0], masks[1])
+  assert not np.array_equal(masks[1], masks[2])
+  assert int(drop.calls.numpy()) == 3
+  # With a global step the layer draws Lingvo's seeds from it.
+  global_step = tf.Variable(5, dtype=tf.int64)
+  tfremat.SetGlobalStep(global_step)
+  try:
+    tfremat.ResetStepSeed(0)
+    expected = tfremat.DeterministicDropout(
+        x, 0.5, tfremat.GenerateStepSeedPair(random_seed=5))
+    tfremat.ResetStepSeed(0)
+    np.testing.assert_array_equal(drop(x, training=True), expected)
+  finally:
+    tfremat.SetGlobalStep(None)
+
+
 def test_rep_repeats_with_independent_weights():
   b = _b()
   rep = b._Rep("rep", 3, b._Linear("w", 4, 4), b._Bias("b", 4)).Instantiate()
@@ -102,7 +145,8 @@ def _parity(deterministic, mode, device, make_remat, x):
     plain = b._Stack("stack", 8, 3, remat=False).Instantiate()
     remat = make_remat(b).Instantiate()
     # Same weights, in the same order, wrapped or not.
-    assert len(remat.weights) == len(plain.weights) == 15
+    assert len(remat.weights) == len(plain.weights)
+    assert len(remat.trainable_weights) == 15
     remat.set_weights(plain.get_weights())
 
   def step(layer, x):

@@ -56,6 +56,7 @@ def test_global_step_is_seen_from_other_threads():
 
 
 def test_each_traced_function_starts_from_its_own_seed():
+  tfremat.SetGlobalStep(tf.Variable(0, dtype=tf.int64))
 
   @tf.function
   def pairs():
@@ -114,3 +115,30 @@ def test_deterministic_dropout_draws_lingvos_mask(keep_prob, mode):
 def test_deterministic_dropout_rejects_bad_keep_prob(keep_prob):
   with pytest.raises(ValueError, match="probability to KEEP"):
     tfremat.DeterministicDropout(tf.ones([2]), keep_prob, [1, 2])
+
+
+def test_seeds_in_a_function_without_a_global_step_are_an_error():
+  # Issue "Keras and Lingvo users' first hour" [9]: the step seed restarts at
+  # every call of a traced function, so a constant global step drew the same
+  # dropout mask at every training step, silently.
+  x = tf.ones([64])
+
+  @tf.function
+  def dropped(x):
+    return tfremat.DeterministicDropout(x, 0.5, tfremat.GenerateStepSeedPair())
+
+  with pytest.raises(RuntimeError, match=r"SetGlobalStep\(optimizer.iterations\)"):
+    dropped(x)
+  # Eager code keeps one step seed that never restarts: no global step needed.
+  first = tfremat.DeterministicDropout(x, 0.5, tfremat.GenerateStepSeedPair())
+  second = tfremat.DeterministicDropout(x, 0.5, tfremat.GenerateStepSeedPair())
+  assert not np.array_equal(first.numpy(), second.numpy())
+  # With a global step, each call of the same trace draws a new mask.
+  step = tf.Variable(0, dtype=tf.int64)
+  tfremat.SetGlobalStep(step)
+  masks = []
+  for _ in range(3):
+    masks.append(dropped(x).numpy())
+    step.assign_add(1)
+  assert not np.array_equal(masks[0], masks[1])
+  assert not np.array_equal(masks[1], masks[2])

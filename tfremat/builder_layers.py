@@ -216,7 +216,13 @@ class LayerNorm(BaseLayer):
 
 
 class DeterministicDropoutLayer(BaseLayer):
-  """Dropout with step-seeded masks (`tfremat.DeterministicDropout`)."""
+  """Dropout with step-seeded masks (`tfremat.DeterministicDropout`).
+
+  Its seeds are `[global step, step seed]` as Lingvo's, with the global step
+  of `tfremat.SetGlobalStep`. Without one, the layer counts its own training
+  calls and uses that count instead, so its masks still change from one
+  training step to the next in `fit` and in custom loops.
+  """
 
   @classmethod
   def Params(cls):
@@ -225,11 +231,25 @@ class DeterministicDropoutLayer(BaseLayer):
     p.Define("random_seed", None, "Optional seed added to the step seeds.")
     return p
 
+  def __init__(self, params):
+    super().__init__(params)
+    # Like a Keras SeedGenerator's state: one per layer, not synchronized
+    # between replicas (each replica draws with its own step seed).
+    self.calls = self.add_weight(
+        shape=(), dtype="int64", initializer="zeros", trainable=False,
+        aggregation="none", name="calls")
+
   def call(self, x, training=None):
     keep_prob = self.params.keep_prob
     if not training or (not tf.is_tensor(keep_prob) and keep_prob == 1.0):
       return x
-    seeds = step_seed.GenerateStepSeedPair(random_seed=self.params.random_seed)
+    if step_seed.HasGlobalStep():
+      seeds = step_seed.GenerateStepSeedPair(
+          random_seed=self.params.random_seed)
+    else:
+      step = tf.convert_to_tensor(self.calls)
+      self.calls.assign(step + 1)
+      seeds = step_seed.SeedPair(step, random_seed=self.params.random_seed)
     return step_seed.DeterministicDropout(x, keep_prob, seeds)
 
 

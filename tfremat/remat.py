@@ -250,7 +250,9 @@ class _Call:
 
   def forward(self, on_losses):
     self.seed = step_seed.GetStepSeed()
-    self.global_step = step_seed.GetGlobalStep()
+    # None: no global step; the rerun then sees none either.
+    self.global_step = (step_seed.GetGlobalStep()
+                        if step_seed.HasGlobalStep() else None)
     outputs, recorded, ops, watched = self._run_forward()
     flat = tf.nest.flatten(outputs)
     # The structure alone: holding the outputs would keep them alive until
@@ -404,7 +406,8 @@ class _Call:
 
   def _graph_backward(self, dys):
     gate = _gradient_gate(dys)
-    gated = (lambda t: t) if gate is None else (lambda t: _gate(t, gate))
+    gated = ((lambda t: t) if gate is None else
+             (lambda t: t if t is None else _gate(t, gate)))
     # The seeds and state are gated too: otherwise XLA common-subexpression
     # eliminates the rerun's random draws (e.g. dropout masks) with the
     # forward pass's and keeps every mask alive until the backward pass.

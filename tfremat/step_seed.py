@@ -12,6 +12,8 @@ from 0 (or from what `ResetStepSeed` set), and eager code keeps one counter per
 thread. The first element of a seed pair is the global step (see
 `SetGlobalStep`), so masks differ from one training step to the next even
 though a traced function replays the same step-seed sequence on every call.
+Drawing seeds in a tf.function with no global step set is an error, since
+every step would repeat the same masks.
 """
 
 import contextlib
@@ -75,14 +77,32 @@ def SetGlobalStep(step):
   _global_step = step
 
 
+def HasGlobalStep():
+  """Whether seed pairs read a global step (set, or replayed by a rerun)."""
+  return "global_step" in _state() or _global_step is not None
+
+
 def GetGlobalStep():
-  """Returns the global step used in seed pairs, an int64 scalar tensor."""
-  pinned = _state().get("global_step")
-  if pinned is not None:
-    return pinned
+  """Returns the global step used in seed pairs, an int64 scalar tensor: the
+  one `SetGlobalStep` set, else a constant 0."""
+  state = _state()
+  if "global_step" in state:
+    return state["global_step"]
   if _global_step is None:
     return tf.constant(0, tf.int64)
   return tf.cast(tf.convert_to_tensor(_global_step), tf.int64)
+
+
+_NO_GLOBAL_STEP = (
+    "{what} was called in a tf.function (or Keras fit) with no global step "
+    "set. Seeds are [global step, step seed], and the step seed restarts at "
+    "every call of a traced function, so without a global step every "
+    "training step would draw the same dropout masks. Call "
+    "tfremat.SetGlobalStep(optimizer.iterations) (or any integer variable "
+    "advanced once per step) before the function is first traced or fit "
+    "starts; Lingvo always has one. Builder layers (_Dropout with "
+    "deterministic_dropout=True) need no call: without a global step they "
+    "count their own steps.")
 
 
 def GenerateStepSeedPair(random_seed=None, op_seed=None):
@@ -93,11 +113,27 @@ def GenerateStepSeedPair(random_seed=None, op_seed=None):
   give different seeds, while a replay from the same step seed gives the same
   ones.
 
+  In eager mode the step seed never restarts, so the global step may be
+  unset (it is then 0). In a tf.function it must be set (`SetGlobalStep`):
+  the step seed restarts at every call, and a missing global step would
+  repeat the same seeds at every training step.
+
   Args:
     random_seed: optional int, added to both elements (a per-layer seed).
     op_seed: optional int, added to both elements (a per-op seed).
+
+  Raises:
+    RuntimeError: in a tf.function with no global step set.
   """
-  seeds = tf.stack([GetGlobalStep(), GetIncStepSeed()])
+  if not tf.executing_eagerly() and not HasGlobalStep():
+    raise RuntimeError(_NO_GLOBAL_STEP.format(what="GenerateStepSeedPair"))
+  return SeedPair(GetGlobalStep(), random_seed, op_seed)
+
+
+def SeedPair(global_step, random_seed=None, op_seed=None):
+  """`GenerateStepSeedPair` with `global_step` in place of the global one:
+  `[global_step, step_seed]` plus the seeds given; advances the step seed."""
+  seeds = tf.stack([tf.cast(global_step, tf.int64), GetIncStepSeed()])
   for extra in (random_seed, op_seed):
     if extra is not None:
       seeds += tf.cast(extra, tf.int64)
@@ -150,7 +186,8 @@ def replaying(seed, global_step):
   state = _state()
   saved = dict(state)
   state["seed"] = seed
-  state["global_step"] = global_step
+  if global_step is not None:
+    state["global_step"] = global_step
   try:
     yield
   finally:
