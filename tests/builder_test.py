@@ -1,6 +1,7 @@
 """The Lingvo-style builder: helpers, and rematerialized stacks' parity."""
 
 import functools
+import pydoc
 
 import keras
 import numpy as np
@@ -247,3 +248,14 @@ def test_sqrt_segments_save_memory_on_a_16_layer_stack():
   print({k: f"{v / 2**20:.1f} MiB" for k, v in peaks.items()})
   assert peaks["sqrt"] < 0.5 * peaks[None], peaks
   assert peaks[16] < 0.5 * peaks[None], peaks
+
+
+def test_help_shows_every_helper():
+  # [10]: pydoc, and so help(), hides underscore names such as _Seq.
+  text = pydoc.render_doc(builder.Base, renderer=pydoc.plaintext)
+  helpers = [n for n in vars(builder.Base)
+             if n.startswith("_") and not n.startswith("__") and n != "_Layer"]
+  assert len(helpers) == 15
+  for name in helpers:
+    assert f"{name}(name" in text, name
+  assert "Connects sub-layers sequentially." in text

@@ -1,5 +1,10 @@
 """Lingvo-style Params: define, set, copy, nest, text round trip, errors."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 from tfremat import hyperparams
@@ -105,3 +110,72 @@ def test_instantiable_params():
   assert p.Set(size=7).Instantiate().size == 7
   with pytest.raises(ValueError, match="no cls"):
     hyperparams.InstantiableParams().Instantiate()
+
+
+# Issue "Keras and Lingvo users' first hour" [10]: Params as Lingvo users
+# know them (Lingvo's hyperparams_test covers Get, Delete and IterParams).
+
+def test_get_and_set_take_the_names_to_text_prints():
+  p = _params()
+  for line in p.ToText().splitlines():
+    name, _, value = line.partition(" : ")
+    if not value.startswith("type/"):
+      assert repr(p.Get(name)) == value, name
+  assert p.Get("layers[1].width") == 20
+  p.Set(**{"layers[0].width": 7, "dropout.keep_prob": 0.5})
+  assert p.layers[0].width == 7 and p.dropout.keep_prob == 0.5
+  with pytest.raises(AttributeError, match="not an item of a list of Params"):
+    p.Get("layers[5].width")
+  with pytest.raises(AttributeError, match="'widht' is not defined.*width"):
+    p.Set(**{"dims": 1, "layers[1].widht": 3})
+  assert p.dims == 512  # Nothing was set.
+
+
+def test_delete_removes_names_after_checking_all():
+  p = _params()
+  assert p.Delete("none", "dropout.keep_prob") is p
+  assert "none" not in p and "keep_prob" not in p.dropout
+  with pytest.raises(AttributeError, match="'dimz' is not defined"):
+    p.Delete("dims", "dimz")
+  assert "dims" in p
+
+
+def test_iter_params_yields_names_and_values():
+  p = _params()
+  items = dict(p.IterParams())
+  assert list(items) == sorted(items) == list(p)
+  assert items["dims"] == 512 and items["dropout"] is p.dropout
+  assert p.Description("dropout.keep_prob") == "Probability to keep."
+
+
+def test_to_text_of_a_script_is_read_back_by_another_program(tmp_path):
+  # A builder subclass defined in a script lives in __main__; its text form
+  # named type/__main__/..., which means the reader itself there.
+  script = tmp_path / "my_experiment.py"
+  script.write_text(textwrap.dedent("""
+      import tfremat
+
+      class MyBuilder(tfremat.builder.Base):
+        pass
+
+      if __name__ == "__main__":
+        p = MyBuilder.Params().Set(random_seed=3)
+        print(p.ToText(), end="")
+  """))
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+  text = subprocess.run([sys.executable, str(script)], env=env, check=True,
+                        capture_output=True, text=True).stdout
+  assert "cls : type/my_experiment/MyBuilder" in text, text
+  reader = textwrap.dedent("""
+      import sys
+      import tfremat
+      p = tfremat.builder.Base.Params().FromText(sys.stdin.read())
+      print(p.cls.__module__, p.cls.__name__, p.random_seed)
+  """)
+  read = subprocess.run([sys.executable, "-c", reader], input=text,
+                        env=dict(env, PYTHONPATH=str(tmp_path)), check=True,
+                        capture_output=True, text=True).stdout
+  assert read.split() == ["my_experiment", "MyBuilder", "3"]
+  # Without the script's directory on sys.path the error says what to do.
+  with pytest.raises(ValueError, match="PYTHONPATH"):
+    _params().FromText("cls : type/my_experiment/MyBuilder\n")

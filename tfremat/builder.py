@@ -19,6 +19,8 @@ what is kept for the backward pass, not the layer's weights, outputs or
 gradients.
 """
 
+import inspect
+
 from tfremat import builder_layers
 from tfremat import hyperparams
 from tfremat import planner
@@ -31,6 +33,7 @@ class Base:
 
   @classmethod
   def Params(cls):
+    """The builder's own params (dropout kind, dtype, seed)."""
     p = hyperparams.InstantiableParams(cls)
     p.Define("deterministic_dropout", False,
              "Dropout from step seeds (tfremat.DeterministicDropout) instead "
@@ -162,3 +165,21 @@ class Base:
                        input_dims=dims, num_heads=heads, keep_prob=keep_prob,
                        causal=causal, random_seed=self.params.random_seed)
 
+
+
+def _HelperIndex(cls):
+  """One line per helper of `cls`: its signature and its docstring's first
+  line. pydoc, and so help(), hides underscore names; the index puts them in
+  the class docstring, where help(tfremat.builder.Base) shows them."""
+  lines = []
+  for name in sorted(vars(cls)):
+    helper = vars(cls)[name]
+    if (name.startswith("_") and not name.startswith("__") and
+        callable(helper) and helper.__doc__):
+      args = str(inspect.signature(helper)).replace("(self, ", "(", 1)
+      lines.append(f"  {name}{args}\n      {helper.__doc__.splitlines()[0]}")
+  return "\n".join(lines)
+
+
+Base.__doc__ += ("\n\nHelpers (each returns Params; Instantiate() builds "
+                 "the layer):\n\n" + _HelperIndex(Base))

@@ -17,7 +17,9 @@ import ast
 import copy
 import difflib
 import importlib
+import os
 import re
+import sys
 
 
 class _Param:
@@ -34,24 +36,49 @@ def _IsParamsList(value):
           all(isinstance(v, Params) for v in value))
 
 
+def _ModuleName(module):
+  """The name another program imports `module` by.
+
+  A class defined in a script run as `python path/to/script.py` or
+  `python -m package.script` lives in `__main__`, a name that means the other
+  program itself there. Such a script is importable as `script` (its
+  directory on sys.path) or `package.script`.
+  """
+  if module != "__main__":
+    return module
+  main = sys.modules["__main__"]
+  spec = getattr(main, "__spec__", None)
+  if spec is not None and spec.name:
+    return spec.name
+  path = getattr(main, "__file__", None)
+  return os.path.splitext(os.path.basename(path))[0] if path else module
+
+
 def _ValueToText(value):
   if isinstance(value, type):
-    return f"type/{value.__module__}/{value.__qualname__}"
+    return f"type/{_ModuleName(value.__module__)}/{value.__qualname__}"
   if callable(value) and hasattr(value, "__qualname__"):
-    return f"callable/{value.__module__}/{value.__qualname__}"
+    return f"callable/{_ModuleName(value.__module__)}/{value.__qualname__}"
   return repr(value)
 
 
 def _TextToValue(text, key):
   match = re.fullmatch(r"(type|callable)/([\w.]+)/([\w.<>]+)", text)
   if match:
-    obj = importlib.import_module(match.group(2))
-    for part in match.group(3).split("."):
-      if part == "<locals>":
-        raise ValueError(
-            f"FromText: {key} names a local {match.group(1)} ({text}), "
-            "which cannot be looked up again; define it at module level.")
-      obj = getattr(obj, part)
+    kind, module, name = match.groups()
+    if "<locals>" in name.split("."):
+      raise ValueError(
+          f"FromText: {key} names a local {kind} ({text}), which cannot be "
+          "looked up again; define it at module level.")
+    try:
+      obj = importlib.import_module(module)
+      for part in name.split("."):
+        obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+      raise ValueError(
+          f"FromText: {key} names {kind} {name} in module {module}, which "
+          f"cannot be imported here ({e}). Put the module's directory on "
+          "sys.path (PYTHONPATH) or install its package.") from e
     return obj
   try:
     return ast.literal_eval(text)
@@ -109,18 +136,40 @@ class Params:
     return {k: p.value for k, p in self._params.items()}
 
   def Get(self, name):
-    """The value of `name`; dotted names reach into nested Params."""
-    head, _, rest = name.partition(".")
-    value = self._Lookup(head).value
-    return value.Get(rest) if rest else value
+    """The value of `name`, in the form `ToText` prints: dotted names reach
+    into nested Params and `sub[0]` into a list of them ("sub[0].name")."""
+    node, last = self._Resolve(name)
+    return node._Lookup(last).value
 
   def Set(self, **kwargs):
-    """Sets the given parameters; returns self, so calls chain."""
-    for name in kwargs:
-      self._Lookup(name)  # Check every name before changing anything.
-    for name, value in kwargs.items():
-      self._params[name].value = value
+    """Sets the given parameters; returns self, so calls chain. Names may be
+    dotted, as in Get: `p.Set(**{"sub[0].name": "x"})`."""
+    # Every name is checked before anything changes.
+    targets = [(self._Resolve(name), value) for name, value in kwargs.items()]
+    for (node, last), _ in targets:
+      node._Lookup(last)
+    for (node, last), value in targets:
+      node._params[last].value = value
     return self
+
+  def Delete(self, *names):
+    """Removes the named parameters (dotted names allowed); returns self."""
+    targets = [self._Resolve(name) for name in names]
+    for node, last in targets:
+      node._Lookup(last)  # Every name is checked before any is deleted.
+    for node, last in targets:
+      del node._params[last]
+    return self
+
+  def IterParams(self):
+    """Yields (name, value) of each parameter at this level, sorted by name."""
+    for name in sorted(self._params):
+      yield name, self._params[name].value
+
+  def Description(self, name):
+    """The one-line description `name` was defined with (dotted allowed)."""
+    node, last = self._Resolve(name)
+    return node._Lookup(last).description
 
   def Copy(self):
     """A deep copy: nested Params and lists are copied; classes are not."""
@@ -166,11 +215,16 @@ class Params:
     for part in parts[:-1]:
       match = re.fullmatch(r"(\w+)\[(\d+)\]", part)
       if match:
-        node = node._Lookup(match.group(1)).value[int(match.group(2))]
+        items = node._Lookup(match.group(1)).value
+        index = int(match.group(2))
+        if not _IsParamsList(items) or index >= len(items):
+          raise AttributeError(
+              f"{key}: {part} is not an item of a list of Params.")
+        node = items[index]
       else:
         node = node._Lookup(part).value
       if not isinstance(node, Params):
-        raise AttributeError(f"FromText: {key}: {part} is not a Params.")
+        raise AttributeError(f"{key}: {part} is not a Params.")
     return node, parts[-1]
 
   def FromText(self, text):
