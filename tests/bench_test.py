@@ -11,22 +11,31 @@ import pytest
 _SMALL = ["--blocks=4", "--width=64", "--batch=512", "--steps=2"]
 
 
-def _bench(*args):
+def _bench(*args, cwd=None):
+  env = dict(os.environ)
+  env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # The bench's own default.
   proc = subprocess.run(
       [sys.executable, "-m", "tfremat.bench", *args], capture_output=True,
-      text=True, timeout=900, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+      text=True, timeout=900, env=env, cwd=cwd)
   assert proc.returncode == 0, proc.stderr[-3000:]
+  # Issue "Packaging and the bench CLI" [6]: no TensorFlow start-up lines,
+  # and a log without a terminal's escape codes and carriage returns.
+  assert "I0000" not in proc.stderr and "cuInit" not in proc.stderr, (
+      proc.stderr[-3000:])
+  assert "\x1b" not in proc.stdout and "\r" not in proc.stdout
   return proc.stdout
 
 
 def _rows(table):
   lines = table.splitlines()
   start = next(i for i, l in enumerate(lines) if set(l) == {"-"}) + 1
-  return {l[:20].strip(): l[20:].split() for l in lines[start:] if l.strip()}
+  stop = next(i for i, l in enumerate(lines) if l.startswith("peak MiB:"))
+  return {l[:20].strip(): l[20:].split() for l in lines[start:stop]
+          if l.strip()}
 
 
-# Columns after the method: peak MiB, x none, step ms, x none, max |grad -
-# none|, first call ms, trace ms.
+# Columns after the method: peak MiB, x none, step ms, IQR ms, x none,
+# max |grad - none|, first call ms, trace ms.
 _GRAD_ERROR, _FIRST_CALL, _TRACE = -3, -2, -1
 
 
@@ -44,14 +53,30 @@ def test_methods_table_shows_tfremat_exact_and_recompute_grad_wrong(mode):
   assert all(float(v[_FIRST_CALL]) > 0 for v in rows.values())
   traces = {v[_TRACE] for v in rows.values()}
   assert traces == {"-"} if mode else all(float(t) > 0 for t in traces)
+  # [7]: the spread of step times, a legend, the machine and versions.
+  for v in rows.values():
+    low, high = (float(t) for t in v[3].split("-"))
+    assert low <= high
+  assert "max |grad - none|: the largest absolute difference" in text
+  assert "TensorFlow 2." in text and "Keras 3." in text and "CPUs" in text
 
 
 def test_sweep_writes_table_csv_and_plot(tmp_path):
-  out_csv, out_png = tmp_path / "s.csv", tmp_path / "s.png"
+  # [5]: a bare --plot (as documented) draws to its default file.
+  out_csv, out_png = tmp_path / "s.csv", tmp_path / "sweep.png"
   text = _bench("--sweep", "--blocks=8", "--width=64", "--batch=1024",
-                "--steps=2", f"--csv={out_csv}", f"--plot={out_png}")
+                "--steps=2", f"--csv={out_csv}", "--plot", cwd=tmp_path)
   with open(out_csv) as f:
     rows = list(csv.DictReader(f))
+  # [8]: the CSV carries the table's columns, budget and fits included.
+  assert list(rows[0]) == ["scheme", "kind", "rematerialized", "peak_bytes",
+                           "peak_x_none", "step_seconds", "step_p25_seconds",
+                           "step_p75_seconds", "step_x_none",
+                           "budget_fraction", "budget_bytes", "fits"]
+  planned = [r for r in rows if r["kind"] == "planner"]
+  assert planned and all(r["fits"] in ("True", "False") for r in planned)
+  assert all(int(r["budget_bytes"]) > 0 for r in planned)
+  assert "fits: whether the measured peak" in text
   schemes = [r["scheme"] for r in rows]
   assert schemes[:5] == ["none", "every block", "every 2nd block",
                          "every 4th block", "sqrt segments"]
@@ -79,3 +104,14 @@ def test_help_and_bad_flags():
       [sys.executable, "-m", "tfremat.bench", "--eager", "--jit"],
       capture_output=True, text=True, timeout=300)
   assert proc.returncode != 0 and "exclude each other" in proc.stderr
+  # [5]: the documented dash spelling reaches the flag, in both forms; a bad
+  # value fails before anything is measured.
+  for args in (["--budget-fraction=-1"], ["--budget-fraction", "-1"]):
+    proc = subprocess.run([sys.executable, "-m", "tfremat.bench", *args],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0, args
+    assert "--budget-fraction must be positive" in proc.stderr, proc.stderr
+  proc = subprocess.run(
+      [sys.executable, "-m", "tfremat.bench", "--budget-fraction=half"],
+      capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0 and "budget_fraction" in proc.stderr

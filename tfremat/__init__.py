@@ -1,12 +1,56 @@
 """tfremat: activation rematerialization for TensorFlow 2 and Keras 3."""
 
+import contextlib
 import os
+import sys
 
 # The planner and the benchmark measure a step's peak with the allocator's
 # statistics, which TensorFlow keeps on the CPU only with its BFC allocator.
 # It takes effect if TensorFlow has not run an op yet;
 # `measure.peak_bytes` says what to do otherwise.
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+
+
+
+def _own_program():
+  """Whether Python is running tfremat's benchmark or one of its examples,
+  without --verbosity.
+
+  Those print their results only. TensorFlow prints its start-up lines (CUDA
+  stubs, CPU features, a failed cuInit on a CPU-only machine) when it is
+  imported, which for `python -m tfremat.bench` is here, before the
+  benchmark's own code runs.
+  """
+  argv = list(getattr(sys, "orig_argv", sys.argv))
+  if any(a == "-v" or a.startswith("--verbosity") for a in argv):
+    return False
+  if "-m" in argv and argv[argv.index("-m") + 1:][:1] == ["tfremat.bench"]:
+    return True
+  examples = os.path.join(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__))), "examples")
+  main = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+  return os.path.dirname(main) == examples
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+  """Sends file descriptor 2 to /dev/null: TensorFlow's C++ start-up lines
+  are written there before its log level applies."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with open(os.devnull, "w", encoding="utf-8") as null:
+    os.dup2(null.fileno(), 2)
+  try:
+    yield
+  finally:
+    os.dup2(saved, 2)
+    os.close(saved)
+
+
+if "TF_CPP_MIN_LOG_LEVEL" not in os.environ and _own_program():
+  os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+  with _stderr_silenced():
+    import tensorflow  # pylint: disable=unused-import
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 

@@ -6,6 +6,10 @@
   python -m tfremat.bench --model transformer  # causal transformer LM
   python -m tfremat.bench --budget-fraction 0.5  # the planner at 50% peak
   python -m tfremat.bench --sweep --csv sweep.csv --plot sweep.png
+  python -m tfremat.bench --sweep --plot     # the default file, sweep.png
+
+TensorFlow's start-up lines are silenced unless --verbosity is given (e.g.
+--verbosity=0).
 
 Every method runs in one process on the same model, weights, batch and
 dropout seeds:
@@ -211,11 +215,11 @@ def _schemes_and_plans(fractions, progress):
   def run(name, kind, segments, fraction=None):
     layer = tfremat.RematSequential(blocks, segments)
     step = planner.training_step(layer, jit=FLAGS.jit)
-    rows.append({"scheme": name, "kind": kind, "budget_fraction": fraction,
-                 "peak_bytes": measure.peak_bytes(step, x),
-                 "step_seconds": None,
+    rows.append({"scheme": name, "kind": kind,
                  "rematerialized": sum(s.stop - s.start for s in segments
-                                       if s.remat)})
+                                       if s.remat),
+                 "peak_bytes": measure.peak_bytes(step, x),
+                 "budget_fraction": fraction})
     steps.append(step)
     progress.add(1)
 
@@ -236,11 +240,27 @@ def _schemes_and_plans(fractions, progress):
       continue
     print(f"\nplanner at {fraction:.0%} of {full / 2**20:.1f} MiB:\n{chosen}")
     run(f"planner {fraction:.0%}", "planner", chosen.segments, fraction)
-  # Timed round-robin in shuffled order (see measure.median_seconds).
-  seconds = measure.median_seconds(steps, x, repeats=FLAGS.steps)
-  for row, step_seconds in zip(rows, seconds):
-    row["step_seconds"] = step_seconds
+  _add_times(rows, steps, x)
+  for r in rows:
+    r["peak_x_none"] = _ratio(r["peak_bytes"], full)
+    r["step_x_none"] = _ratio(r["step_seconds"], rows[0]["step_seconds"])
+    r["budget_bytes"] = (None if r["budget_fraction"] is None else
+                         int(r["budget_fraction"] * full))
+    r["fits"] = (None if r["budget_bytes"] is None else
+                 r["peak_bytes"] <= planner.MEASUREMENT_SLACK *
+                 r["budget_bytes"])
   return rows
+
+
+def _add_times(rows, steps, *args):
+  """Times `steps` round-robin in shuffled order (`measure.seconds`); sets
+  each row's median and quartiles of step seconds."""
+  from tfremat import measure  # pylint: disable=g-import-not-at-top
+  for row, times in zip(rows, measure.seconds(steps, *args,
+                                              repeats=FLAGS.steps)):
+    row["step_seconds"] = float(np.median(times))
+    row["step_p25_seconds"], row["step_p75_seconds"] = (
+        float(q) for q in np.percentile(times, [25, 75]))
 
 
 def _ratio(value, base):
@@ -248,75 +268,148 @@ def _ratio(value, base):
   return value / base if base else float("nan")
 
 
+def _spread(r):
+  return (f"{1000 * r['step_p25_seconds']:.1f}-"
+          f"{1000 * r['step_p75_seconds']:.1f}")
+
+
+LEGEND = """\
+peak MiB: the allocator's peak during one training step above what was
+  allocated just before it (weights and the batch are not counted), the
+  largest of 5 calls. x none: the ratio to the `none` row.
+step ms: the median over {steps} rounds, each calling every row's step once,
+  in shuffled order; IQR: the 25th-75th percentiles of those times, so a
+  difference inside them is noise."""
+
+METHOD_LEGEND = LEGEND + """
+max |grad - none|: the largest absolute difference of any gradient from the
+  `none` row's, with dropout active (0: exact).
+first call ms: the first call, which traces (and compiles, with --jit);
+  trace ms: tracing alone, the median of 3."""
+
+SCHEME_LEGEND = LEGEND + """
+remat: how many blocks are rematerialized. budget MiB: the planner's budget,
+  a fraction of the `none` row's peak; fits: whether the measured peak is
+  within it (+5% for call-to-call variation)."""
+
+
 def format_scheme_table(rows):
   """Scheme rows as a table; ratios relative to the `none` row."""
-  from tfremat import planner  # pylint: disable=g-import-not-at-top
-  base = next(r for r in rows if r["scheme"] == "none")
   header = (f"{'scheme':<18}{'remat':>6}{'peak MiB':>10}{'x none':>8}"
-            f"{'step ms':>10}{'x none':>8}{'budget MiB':>12}{'fits':>6}")
+            f"{'step ms':>10}{'IQR ms':>14}{'x none':>8}{'budget MiB':>12}"
+            f"{'fits':>6}")
   lines = [header, "-" * len(header)]
   for r in rows:
-    budget = ""
-    fits = ""
-    if r["budget_fraction"] is not None:
-      limit = r["budget_fraction"] * base["peak_bytes"]
-      budget = f"{limit / 2**20:.1f}"
-      fits = ("yes" if r["peak_bytes"] <= planner.MEASUREMENT_SLACK * limit
-              else "NO")
+    budget = ("" if r["budget_bytes"] is None else
+              f"{r['budget_bytes'] / 2**20:.1f}")
+    fits = "" if r["fits"] is None else "yes" if r["fits"] else "NO"
     lines.append(
         f"{r['scheme']:<18}{r['rematerialized']:>6}"
-        f"{r['peak_bytes'] / 2**20:>10.1f}"
-        f"{_ratio(r['peak_bytes'], base['peak_bytes']):>8.2f}"
-        f"{1000 * r['step_seconds']:>10.1f}"
-        f"{_ratio(r['step_seconds'], base['step_seconds']):>8.2f}"
-        f"{budget:>12}{fits:>6}")
+        f"{r['peak_bytes'] / 2**20:>10.1f}{r['peak_x_none']:>8.2f}"
+        f"{1000 * r['step_seconds']:>10.1f}{_spread(r):>14}"
+        f"{r['step_x_none']:>8.2f}{budget:>12}{fits:>6}")
   return "\n".join(lines)
+
+
+# The CSV's columns: the printed table's, in bytes and seconds.
+CSV_COLUMNS = ("scheme", "kind", "rematerialized", "peak_bytes",
+               "peak_x_none", "step_seconds", "step_p25_seconds",
+               "step_p75_seconds", "step_x_none", "budget_fraction",
+               "budget_bytes", "fits")
 
 
 def write_csv(rows, path):
   import csv  # pylint: disable=g-import-not-at-top
   with open(path, "w", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+    writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
     writer.writeheader()
-    writer.writerows(rows)
+    writer.writerows({k: r[k] for k in CSV_COLUMNS} for r in rows)
+
+
+def _label_offsets(points, min_gap):
+  """Vertical label offsets (points) so that labels of points close on the
+  plot do not overlap: each label moves down past those already placed
+  near it."""
+  placed, offsets = [], []
+  for x, y in points:
+    dy = 4
+    while any(abs(x - px) < 6 * min_gap and abs(y + dy - py) < min_gap
+              for px, py in placed):
+      dy -= min_gap
+    placed.append((x, y + dy))
+    offsets.append(dy)
+  return offsets
 
 
 def plot_pareto(rows, path, title):
-  """Peak memory vs step time, with the Pareto front; False without
-  matplotlib."""
+  """Peak memory vs step time, with budgets, fits and the Pareto front;
+  False without matplotlib."""
   try:
     import matplotlib  # pylint: disable=g-import-not-at-top
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
   except ImportError:
     return False
-  fig, ax = plt.subplots(figsize=(7, 4.5))
-  # Planner labels go below their points, uniform ones above, so that a plan
-  # equal to a uniform scheme (100% is "none") stays readable.
-  for kind, marker, dy in (("uniform", "o", 4), ("planner", "s", -11)):
-    part = [r for r in rows if r["kind"] == kind]
-    ax.scatter([r["peak_bytes"] / 2**20 for r in part],
-               [1000 * r["step_seconds"] for r in part], marker=marker,
-               label=kind)
-    for r in part:
-      ax.annotate(r["scheme"], (r["peak_bytes"] / 2**20,
-                                1000 * r["step_seconds"]),
-                  textcoords="offset points", xytext=(4, dy), fontsize=8)
+  fig, ax = plt.subplots(figsize=(8, 5))
+  mib = lambda r: r["peak_bytes"] / 2**20
+  ms = lambda r: 1000 * r["step_seconds"]
+  for r in rows:
+    if r["budget_bytes"] is not None:
+      ax.axvline(r["budget_bytes"] / 2**20, color="gray", linewidth=0.8,
+                 linestyle=":")
+      ax.text(r["budget_bytes"] / 2**20, 0.02,
+              f" {r['budget_fraction']:.0%} budget", fontsize=7,
+              color="gray", rotation=90, va="bottom", ha="right",
+              transform=ax.get_xaxis_transform())
+  styles = (("uniform", "o", "tab:blue", None),
+            ("planner", "s", "tab:green", True),
+            ("planner", "X", "tab:red", False))
+  for kind, marker, color, fits in styles:
+    part = [r for r in rows if r["kind"] == kind and r["fits"] == fits]
+    if not part:
+      continue
+    label = kind if fits is None else (
+        "planner, fits its budget" if fits else "planner, over its budget")
+    ax.errorbar([mib(r) for r in part], [ms(r) for r in part],
+                yerr=[[ms(r) - 1000 * r["step_p25_seconds"] for r in part],
+                      [1000 * r["step_p75_seconds"] - ms(r) for r in part]],
+                fmt=marker, color=color, capsize=3, label=label)
+  ordered = sorted(rows, key=lambda r: (mib(r), ms(r)))
+  height = max(ms(r) for r in rows)
+  offsets = _label_offsets([(mib(r), ms(r) / height * 300) for r in ordered],
+                           min_gap=10)
+  for r, dy in zip(ordered, offsets):
+    ax.annotate(r["scheme"], (mib(r), ms(r)), textcoords="offset points",
+                xytext=(5, dy), fontsize=8)
   front, best = [], float("inf")
-  for r in sorted(rows, key=lambda r: (r["peak_bytes"], r["step_seconds"])):
+  for r in ordered:
     if r["step_seconds"] < best:
       front.append(r)
       best = r["step_seconds"]
-  ax.step([r["peak_bytes"] / 2**20 for r in front],
-          [1000 * r["step_seconds"] for r in front], where="post",
+  ax.step([mib(r) for r in front], [ms(r) for r in front], where="post",
           color="gray", linestyle="--", label="Pareto front")
+  ax.set_ylim(bottom=0)
+  ax.set_xlim(left=0)
   ax.set_xlabel("peak memory of a training step (MiB)")
-  ax.set_ylabel("median step time (ms)")
-  ax.set_title(title)
-  ax.legend()
+  ax.set_ylabel("median step time (ms); bars: 25th-75th percentile")
+  ax.set_title(title, fontsize=10)
+  ax.legend(loc="lower left", fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   return True
+
+
+def environment():
+  """One line: the machine, Python, TensorFlow and Keras versions."""
+  import os  # pylint: disable=g-import-not-at-top
+  import platform  # pylint: disable=g-import-not-at-top
+  import keras  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tfremat import measure  # pylint: disable=g-import-not-at-top
+  return (f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, "
+          f"measured on {measure.memory_device()}; Python "
+          f"{platform.python_version()}, TensorFlow {tf.__version__}, Keras "
+          f"{keras.__version__}")
 
 
 def _mode_name():
@@ -334,9 +427,9 @@ def measure_methods(methods, progress=None):
 
   Every method builds the same model (same weights and dropout seeds). A
   throwaway step runs first, so that TensorFlow's one-time start-up costs
-  fall on no method's first call. Step times are medians over rounds that
-  call every method once, in shuffled order (`measure.median_seconds`), so a
-  drift in the machine's speed touches all methods alike.
+  fall on no method's first call. Step times are medians (and quartiles) over
+  rounds that call every method once, in shuffled order (`measure.seconds`),
+  so a drift in the machine's speed touches all methods alike.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tfremat import measure  # pylint: disable=g-import-not-at-top
@@ -356,9 +449,7 @@ def measure_methods(methods, progress=None):
     steps.append(step)
     if progress is not None:
       progress.add(1)
-  seconds = measure.median_seconds(steps, batch, repeats=FLAGS.steps)
-  for method, step_seconds in zip(methods, seconds):
-    results[method]["step_seconds"] = step_seconds
+  _add_times(list(results.values()), steps, batch)
   if not FLAGS.eager:
     traces = _median_trace_seconds(make, methods, batch, TRACE_ROUNDS)
     for method, trace_seconds in zip(methods, traces):
@@ -394,8 +485,8 @@ def format_table(results):
   """The results as a text table, ratios relative to the `none` method."""
   base = results.get("none")
   header = (f"{'method':<20}{'peak MiB':>10}{'x none':>8}{'step ms':>10}"
-            f"{'x none':>8}{'max |grad - none|':>20}{'first call ms':>15}"
-            f"{'trace ms':>10}")
+            f"{'IQR ms':>14}{'x none':>8}{'max |grad - none|':>20}"
+            f"{'first call ms':>15}{'trace ms':>10}")
   lines = [header, "-" * len(header)]
   for method, r in results.items():
     peak = r["peak_bytes"] / 2**20
@@ -410,10 +501,40 @@ def format_table(results):
                  for a, b in zip(r["grads"], base["grads"]))
       diff = f"{diff:.3g}"
     lines.append(f"{method:<20}{peak:>10.1f}{ratios[0]:>8}{ms:>10.1f}"
-                 f"{ratios[1]:>8}{diff:>20}"
+                 f"{_spread(r):>14}{ratios[1]:>8}{diff:>20}"
                  f"{1000 * r['first_call_seconds']:>15.1f}"
                  f"{_ms(r.get('trace_seconds')):>10}")
   return "\n".join(lines)
+
+
+def _flag_names():
+  return {name for name in FLAGS}
+
+
+def normalized_argv(argv):
+  """`argv` with every documented spelling made one absl reads.
+
+  --budget-fraction (dashes, as in the docs) becomes --budget_fraction, and a
+  bare --plot or --csv (no value) takes the flag's default file name.
+  """
+  names, out = _flag_names(), [argv[0]]
+  args = list(argv[1:])
+  for i, arg in enumerate(args):
+    if arg.startswith("--") and "-" in arg[2:].split("=", 1)[0]:
+      name, eq, value = arg[2:].partition("=")
+      underscored = name.replace("-", "_")
+      if underscored in names:
+        arg = f"--{underscored}{eq}{value}"
+    if arg in ("--plot", "--csv"):
+      following = args[i + 1] if i + 1 < len(args) else None
+      if following is None or following.startswith("-"):
+        arg = f"{arg}={FLAGS[arg[2:]].default}"
+    out.append(arg)
+  return out
+
+
+def _parse_flags(argv):
+  return app.parse_flags_with_usage(normalized_argv(argv))
 
 
 def main(argv):
@@ -424,7 +545,8 @@ def main(argv):
   if unknown:
     raise app.UsageError(
         f"Unknown --methods {sorted(unknown)}; choose from {', '.join(METHODS)}.")
-  import keras  # pylint: disable=g-import-not-at-top
+  from tfremat import measure  # pylint: disable=g-import-not-at-top
+  sizes = ", ".join(f"{k} {v}" for k, v in _sizes().items())
   if FLAGS.sweep or FLAGS.budget_fraction is not None:
     if FLAGS.eager:
       raise app.UsageError("--eager is for the per-method table; the sweep "
@@ -434,12 +556,15 @@ def main(argv):
     fractions = ([0.3, 0.5, 0.8, 1.0] if FLAGS.sweep else
                  [FLAGS.budget_fraction])
     schemes = len(uniform_schemes(_sizes()["blocks"])) if FLAGS.sweep else 2
-    progress = keras.utils.Progbar(schemes + len(fractions),
-                                   unit_name="scheme")
+    print(environment())
+    progress = measure.progress_bar(schemes + len(fractions), "scheme")
     rows = _schemes_and_plans(fractions, progress)
-    title = (f"{FLAGS.model}, {'XLA' if FLAGS.jit else 'tf.function'}: "
+    mode = "XLA" if FLAGS.jit else "tf.function"
+    title = (f"{FLAGS.model} ({sizes}, dropout {FLAGS.dropout}), {mode}: "
              "memory vs time")
+    print(f"\n{title}, {FLAGS.steps} timed rounds")
     print(format_scheme_table(rows))
+    print(SCHEME_LEGEND.format(steps=FLAGS.steps))
     if FLAGS.sweep:
       write_csv(rows, FLAGS.csv)
       drawn = plot_pareto(rows, FLAGS.plot, title)
@@ -447,12 +572,14 @@ def main(argv):
                                     " (no plot: pip install .[bench])"))
     return
   methods = [m for m in METHODS if m in FLAGS.methods]
-  progress = keras.utils.Progbar(len(methods), unit_name="method")
-  sizes = ", ".join(f"{k} {v}" for k, v in _sizes().items())
+  print(environment())
   print(f"{FLAGS.model}: {sizes}, dropout {FLAGS.dropout}, "
         f"{_mode_name()}, {FLAGS.steps} timed rounds")
+  progress = measure.progress_bar(len(methods), "method")
   print(format_table(measure_methods(methods, progress)))
+  print(METHOD_LEGEND.format(steps=FLAGS.steps))
+
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)
