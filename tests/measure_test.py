@@ -23,7 +23,9 @@ def test_peak_bytes_counts_a_steps_temporaries_not_its_inputs():
     return tf.reduce_sum(tf.sin(x))
 
   peak = measure.peak_bytes(step, x)
-  assert 4 * _N <= peak <= 4 * _N + 2**16, peak
+  # Counting x (4 MiB more) would reach 8 MiB; the allocator's own
+  # bookkeeping adds well under that.
+  assert 4 * _N <= peak < 2 * 4 * _N, peak
 
 
 def test_peak_bytes_grows_with_what_the_step_holds():
