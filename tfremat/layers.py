@@ -317,7 +317,7 @@ def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
   `measured_keep_peak_bytes`.
 
   Args:
-    layers: the chain.
+    layers: the chain: Keras layers or a `keras.Sequential`.
     budget: the budget for a training step's peak, in any form
       `planner.Budget.parse` reads (bytes, "200MiB", 0.5, "50%"); a fraction
       is of the measured peak of keeping everything.
@@ -335,12 +335,15 @@ def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
       the calibrated model predicts to fit), or none measured within the
       budget.
   """
+  layers = _chain_layers(layers, "checked_plan")
   budget = planner.Budget.parse(budget)
   steps = (len(layers) + (len(layers) > 1) if costs is None else 0) + 1
   progress = measure.progress_bar(steps + rounds, "measurement", verbose)
   with _variables_restored(layers, sample_input):
-    chosen = _measured_plan(layers, budget, sample_input, rounds, costs,
-                            progress)
+    chosen, keep_peak = _measured_plan(layers, budget, sample_input, rounds,
+                                       costs, progress)
+  chosen.budget, chosen.budget_bytes = budget, budget.bytes_given(keep_peak)
+  chosen.measured_keep_peak_bytes = keep_peak
   if progress is not None:
     progress.update(progress.target, finalize=True)
   return chosen
@@ -367,48 +370,40 @@ def _variables_restored(layers, sample_input):
 
 
 def _measured_plan(layers, budget, sample_input, rounds, costs, progress):
-  """`checked_plan`'s measuring and planning."""
+  """`checked_plan`'s measuring and planning: (the plan, the measured peak of
+  keeping everything)."""
   if costs is None:
     costs = planner.measure_chain(layers, sample_input, progress=progress)
-  # Keeping everything is the fastest plan; use it whenever it really fits,
-  # whatever the model predicts.
-  keep = planner.Plan(costs, planner.keep_all(len(layers)))
-  keep_peak = planner.measure_peak(RematSequential(layers, keep.segments),
-                                   sample_input)
-  if progress is not None:
-    progress.add(1)
-  budget_bytes = budget.bytes_given(keep_peak)
 
-  def checked(plan, peak=None):
-    plan.budget_bytes, plan.budget = budget_bytes, budget
-    plan.measured_keep_peak_bytes = keep_peak
-    if peak is None:
-      peak = planner.measure_peak(RematSequential(layers, plan.segments),
-                                  sample_input)
-      if progress is not None:
-        progress.add(1)
-    plan.measured_peak_bytes = peak
+  def measured(plan):
+    plan.measured_peak_bytes = planner.measure_peak(
+        RematSequential(layers, plan.segments), sample_input)
+    if progress is not None:
+      progress.add(1)
     return plan
 
-  keep = checked(keep, keep_peak)
+  # Keeping everything is the fastest plan; use it whenever it really fits,
+  # whatever the model predicts.
+  keep = measured(planner.Plan(costs, planner.keep_all(len(layers))))
+  budget_bytes = budget.bytes_given(keep.measured_peak_bytes)
   limit = budget_bytes * planner.MEASUREMENT_SLACK
   if keep.measured_peak_bytes <= limit:
-    return keep
+    return keep, keep.measured_peak_bytes
   scale = keep.peak_bytes / max(1, keep.measured_peak_bytes)
-  target, measured = int(budget_bytes * scale), {}
+  target, tried = int(budget_bytes * scale), {}
   for _ in range(rounds):
     try:
       chosen = planner.plan(costs, target)
     except ValueError:
-      if measured:
+      if tried:
         break  # The model has no smaller plan; use what was measured.
       raise planner.infeasible_budget_error(
           budget_bytes, math.ceil(planner.smallest_budget(costs) / scale),
           "by the cost model calibrated on keeping everything") from None
     key = tuple(chosen.segments)
-    if key in measured:
+    if key in tried:
       break  # Converged: this target gives a plan already measured.
-    measured[key] = checked(chosen)
+    tried[key] = measured(chosen)
     # Recalibrate on this plan: the target at which the model's peak, scaled
     # by this plan's measured / predicted ratio, meets the budget.
     scaled = int(chosen.peak_bytes * budget_bytes /
@@ -420,13 +415,13 @@ def _measured_plan(layers, budget, sample_input, rounds, costs, progress):
     else:
       break  # It fits, and no faster plan is predicted to.
   # A plan should fit as measured; the slack is for measuring it again.
-  fitting = [p for p in measured.values()
+  fitting = [p for p in tried.values()
              if p.measured_peak_bytes <= budget_bytes]
   if fitting:
-    return min(fitting, key=lambda p: p.seconds)
-  lowest = min(measured.values(), key=lambda p: p.measured_peak_bytes)
+    return min(fitting, key=lambda p: p.seconds), keep.measured_peak_bytes
+  lowest = min(tried.values(), key=lambda p: p.measured_peak_bytes)
   if lowest.measured_peak_bytes <= limit:
-    return lowest
+    return lowest, keep.measured_peak_bytes
   raise ValueError(
       f"No plan measured within {budget_bytes / 2**20:.1f} MiB (lowest: "
       f"{lowest.measured_peak_bytes / 2**20:.1f} MiB). Raise the budget.")
