@@ -357,9 +357,9 @@ def plot_pareto(rows, path, title):
     if r["budget_bytes"] is not None:
       ax.axvline(r["budget_bytes"] / 2**20, color="gray", linewidth=0.8,
                  linestyle=":")
-      ax.text(r["budget_bytes"] / 2**20, 0.02,
-              f" {r['budget_fraction']:.0%} budget", fontsize=7,
-              color="gray", rotation=90, va="bottom", ha="right",
+      ax.text(r["budget_bytes"] / 2**20, 0.98,
+              f"{r['budget_fraction']:.0%} budget ", fontsize=7,
+              color="gray", rotation=90, va="top", ha="right",
               transform=ax.get_xaxis_transform())
   styles = (("uniform", "o", "tab:blue", None),
             ("planner", "s", "tab:green", True),
