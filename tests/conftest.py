@@ -18,6 +18,8 @@ import numpy as np  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
+from tfremat import planner  # pylint: disable=g-import-not-at-top
+
 
 def _devices():
   found = [d.name for d in tf.config.list_logical_devices()
@@ -143,3 +145,21 @@ def assert_parity(call, inputs, variables, mode, device, state=None):
   assert_trees_close(actual, expected)
   assert_trees_close(actual_state, expected_state)
   return actual
+
+
+def random_costs(rng, n):
+  """A random chain of n LayerCosts, for planner tests."""
+  costs = []
+  for i in range(n):
+    size = int(rng.integers(1, 50)) * 1000
+    costs.append(planner.LayerCost(
+        name=f"l{i}", forward_seconds=float(rng.uniform(0.1, 2)),
+        backward_seconds=float(rng.uniform(0.1, 4)),
+        input_bytes=costs[-1].output_bytes if costs else size,
+        output_bytes=int(rng.integers(1, 50)) * 1000,
+        saved_bytes=int(rng.integers(0, 400)) * 1000,
+        forward_transient_bytes=int(rng.integers(0, 100)) * 1000,
+        backward_transient_bytes=int(rng.integers(0, 100)) * 1000,
+        weight_grad_bytes=int(rng.integers(0, 20)) * 1000,
+        waiting_recompute_seconds=float(rng.uniform(0, 0.3))))
+  return costs

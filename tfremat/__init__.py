@@ -55,12 +55,13 @@ if "TF_CPP_MIN_LOG_LEVEL" not in os.environ and _own_program():
 # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from tfremat import builder
+from tfremat import chain
 from tfremat import hyperparams
 from tfremat import measure
 from tfremat import planner
 from tfremat.layers import RematerializationLayer
-from tfremat.layers import RematSequential
-from tfremat.layers import remat_sequential
+from tfremat.chain import RematSequential
+from tfremat.chain import remat_sequential
 from tfremat.remat import RematerializeFn
 from tfremat.remat import RerunMismatchError
 from tfremat.remat import rematerialize

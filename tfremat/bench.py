@@ -35,11 +35,22 @@ in one process: uniform schemes (every block, every 2nd or 4th block, about
 sqrt(n) segments) and the planner at fractions of the measured no-remat peak.
 """
 
+import csv
+import os
+import platform
 import time
 
 from absl import app
 from absl import flags
+import keras
 import numpy as np
+import tensorflow as tf
+
+import tfremat
+from tfremat import chain
+from tfremat import measure
+from tfremat import models
+from tfremat import planner
 
 METHODS = ("none", "tf.recompute_grad", "keras.remat", "tfremat",
            "tfremat.layer")
@@ -85,9 +96,6 @@ def define_flags():
 
 def wrap(method, block):
   """`block`'s training-mode call, rematerialized by `method` (see METHODS)."""
-  import keras  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  import tfremat  # pylint: disable=g-import-not-at-top
   call = lambda h: block(h, training=True)
   if method == "none":
     return call
@@ -106,7 +114,6 @@ def wrap(method, block):
 
 def _compiled(step, jit, eager):
   """`step` as a tf.function (XLA-compiled with `jit`), or eager."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   if eager:
     if jit:
       raise ValueError("--eager and --jit exclude each other.")
@@ -116,7 +123,6 @@ def _compiled(step, jit, eager):
 
 def residual_step(blocks, method, jit, eager=False):
   """A training step over residual MLP blocks: the loss gradients."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   calls = [wrap(method, b) for b in blocks]
   variables = [v for b in blocks for v in b.trainable_weights]
 
@@ -134,8 +140,6 @@ def residual_step(blocks, method, jit, eager=False):
 
 def transformer_step(parts, method, jit, eager=False):
   """A language-model training step over transformer blocks: the gradients."""
-  import keras  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   embed, blocks, head = parts
   calls = [wrap(method, b) for b in blocks]
   variables = [v for m in [embed] + blocks + [head]
@@ -155,8 +159,6 @@ def transformer_step(parts, method, jit, eager=False):
 
 def make_step(model, method, jit, sizes, dropout, eager=False):
   """The model's training step under `method`, and its input batch."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tfremat import models  # pylint: disable=g-import-not-at-top
   if model == "mlp":
     blocks = models.residual_mlp(sizes["blocks"], sizes["width"], dropout)
     x = tf.random.stateless_normal([sizes["batch"], sizes["width"]],
@@ -170,7 +172,6 @@ def make_step(model, method, jit, sizes, dropout, eager=False):
 
 def _tokens(sizes):
   """The transformer's batch of token ids, the same in every process."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   return tf.random.stateless_uniform(
       [sizes["batch"], sizes["seq_len"]], seed=[1, 2], maxval=sizes["vocab"],
       dtype=tf.int32)
@@ -178,8 +179,6 @@ def _tokens(sizes):
 
 def chain_and_batch(model, sizes, dropout):
   """The model's blocks as a chain of layers, and the chain's input batch."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tfremat import models  # pylint: disable=g-import-not-at-top
   if model == "mlp":
     blocks = models.residual_mlp(sizes["blocks"], sizes["width"], dropout,
                                  residual_inside=True)
@@ -193,7 +192,6 @@ def chain_and_batch(model, sizes, dropout):
 
 def uniform_schemes(num_blocks):
   """The classic choices: name -> segments."""
-  from tfremat import planner  # pylint: disable=g-import-not-at-top
   schemes = {"none": planner.keep_all(num_blocks)}
   for k, name in ((1, "every block"), (2, "every 2nd block"),
                   (4, "every 4th block")):
@@ -206,15 +204,12 @@ def uniform_schemes(num_blocks):
 
 def _schemes_and_plans(fractions, progress):
   """Measures uniform schemes and planner choices; returns result rows."""
-  import tfremat  # pylint: disable=g-import-not-at-top
-  from tfremat import measure  # pylint: disable=g-import-not-at-top
-  from tfremat import planner  # pylint: disable=g-import-not-at-top
   blocks, x = chain_and_batch(FLAGS.model, _sizes(), FLAGS.dropout)
   rows, steps = [], []
 
   def run(name, kind, segments, fraction=None):
     layer = tfremat.RematSequential(blocks, segments)
-    step = planner.training_step(layer, jit=FLAGS.jit)
+    step = chain.training_step(layer, jit=FLAGS.jit)
     rows.append({"scheme": name, "kind": kind,
                  "rematerialized": sum(s.stop - s.start for s in segments
                                        if s.remat),
@@ -229,11 +224,11 @@ def _schemes_and_plans(fractions, progress):
   for name, segments in schemes.items():
     run(name, "uniform", segments)
   full = rows[0]["peak_bytes"]
-  costs = planner.measure_chain(blocks, x)
+  costs = chain.measure_chain(blocks, x)
   for fraction in fractions:
     try:
-      chosen = tfremat.layers.checked_plan(blocks, int(fraction * full), x,
-                                           costs=costs)
+      chosen = chain.checked_plan(blocks, int(fraction * full), x,
+                                  costs=costs)
     except ValueError as e:
       print(f"\nplanner at {fraction:.0%}: {e}")
       progress.add(1)
@@ -255,7 +250,6 @@ def _schemes_and_plans(fractions, progress):
 def _add_times(rows, steps, *args):
   """Times `steps` round-robin in shuffled order (`measure.seconds`); sets
   each row's median and quartiles of step seconds."""
-  from tfremat import measure  # pylint: disable=g-import-not-at-top
   for row, times in zip(rows, measure.seconds(steps, *args,
                                               repeats=FLAGS.steps)):
     row["step_seconds"] = float(np.median(times))
@@ -319,7 +313,6 @@ CSV_COLUMNS = ("scheme", "kind", "rematerialized", "peak_bytes",
 
 
 def write_csv(rows, path):
-  import csv  # pylint: disable=g-import-not-at-top
   with open(path, "w", newline="") as f:
     writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
     writer.writeheader()
@@ -401,11 +394,6 @@ def plot_pareto(rows, path, title):
 
 def environment():
   """One line: the machine, Python, TensorFlow and Keras versions."""
-  import os  # pylint: disable=g-import-not-at-top
-  import platform  # pylint: disable=g-import-not-at-top
-  import keras  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tfremat import measure  # pylint: disable=g-import-not-at-top
   return (f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, "
           f"measured on {measure.memory_device()}; Python "
           f"{platform.python_version()}, TensorFlow {tf.__version__}, Keras "
@@ -431,8 +419,6 @@ def measure_methods(methods, progress=None):
   rounds that call every method once, in shuffled order (`measure.seconds`),
   so a drift in the machine's speed touches all methods alike.
   """
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tfremat import measure  # pylint: disable=g-import-not-at-top
   make = lambda method: make_step(FLAGS.model, method, FLAGS.jit, _sizes(),
                                   FLAGS.dropout, FLAGS.eager)
   warm_step, batch = make("none")
@@ -545,7 +531,6 @@ def main(argv):
   if unknown:
     raise app.UsageError(
         f"Unknown --methods {sorted(unknown)}; choose from {', '.join(METHODS)}.")
-  from tfremat import measure  # pylint: disable=g-import-not-at-top
   sizes = ", ".join(f"{k} {v}" for k, v in _sizes().items())
   if FLAGS.sweep or FLAGS.budget_fraction is not None:
     if FLAGS.eager:

@@ -24,8 +24,8 @@ import inspect
 from tfremat import builder_layers
 from tfremat import hyperparams
 from tfremat import planner
+from tfremat.chain import checked_plan
 from tfremat.layers import RematerializationLayer
-from tfremat.layers import checked_plan
 
 
 class Base:

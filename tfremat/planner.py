@@ -1,14 +1,17 @@
 """Choose what to rematerialize in a chain of layers for a memory budget.
 
-  costs = tfremat.planner.measure_chain(blocks, sample_input)
+  costs = tfremat.chain.measure_chain(blocks, sample_input)
   plan = tfremat.planner.plan(costs, budget_bytes=200 * 2**20)
   print(plan)                 # per-layer decisions, predicted peak and time
-  layer = tfremat.remat_sequential(blocks, budget_bytes=..., sample_input=x)
+  layer = tfremat.remat_sequential(blocks, budget="50%", sample_input=x)
+
+This module is pure: it computes with measured costs and never measures
+(`tfremat.chain` measures chains; `tfremat.measure` measures steps).
 
 The budget bounds what `tfremat.measure.peak_bytes` measures: the
 allocator's peak during one training step (forward, loss, backward) above
-what was allocated just before it. Weights and the input batch are not counted; activations,
-temporaries and weight gradients are.
+what was allocated just before it. Weights and the input batch are not
+counted; activations, temporaries and weight gradients are.
 
 A plan splits the chain into consecutive segments, each either kept (its
 layers' activations are stored for the backward pass) or rematerialized (only
@@ -16,15 +19,15 @@ the segment's output is stored; the segment reruns in the backward pass). The
 cost model below predicts a plan's peak and step time from per-layer
 measurements; `plan` finds the fastest plan whose predicted peak fits the
 budget, exactly, by dynamic programming over (retained bytes, time) Pareto
-fronts. Recursive schedules (rematerializing inside a rematerialized segment)
-are not searched.
+fronts; `calibrated_plan` checks its choices against measured peaks.
+Recursive schedules (rematerializing inside a rematerialized segment) are
+not searched.
 """
 
 import dataclasses
 import math
 import re
 import numpy as np
-import tensorflow as tf
 
 from tfremat import measure
 
@@ -136,147 +139,6 @@ class Budget:
     if self.num_bytes is not None:
       return measure.format_bytes(self.num_bytes)
     return f"{self.fraction:.0%} of the keep-everything peak"
-
-
-def _nbytes(tree):
-  # Keras variables name their dtype with a string.
-  return sum(int(np.prod(t.shape)) * tf.as_dtype(t.dtype).size
-             for t in tf.nest.flatten(tree) if t is not None)
-
-
-def _extra_peak_bytes(more, less, x):
-  """How far `more(x)`'s peak exceeds `less(x)`'s.
-
-  The median, over `measure.PEAK_CALLS` pairs of calls, of the difference
-  of the two calls' peaks. A difference of two maxima over calls was far noisier: for
-  one two-layer block it ranged over 0.5x-2.1x of the tensor it estimates,
-  this median over 1.0x-1.25x.
-  """
-  more(x)  # Trace outside the measurement.
-  less(x)
-  return int(np.median([
-      measure.peak_bytes(more, x, calls=1, warmup=False) -
-      measure.peak_bytes(less, x, calls=1, warmup=False)
-      for _ in range(measure.PEAK_CALLS)]))
-
-
-def training_step(layer, applications=1, jit=False):
-  """A traced training step of a chain: forward and backward of `layer`
-  (applied `applications` times in a row) on a batch, for the loss
-  sum(y**2) / 2 of its output y; returns the input and weight gradients.
-
-  The loss must read y: with an incoming gradient that depends only on y's
-  shape (such as ones), TensorFlow prunes the forward ops whose values the
-  backward pass does not read, so a rematerialized last segment's forward
-  pass would cost nothing and every timing and peak would be too low.
-  """
-  weights = layer.trainable_weights
-
-  @tf.function(jit_compile=jit)
-  def step(x):
-    with tf.GradientTape() as tape:
-      tape.watch(x)
-      y = x
-      for _ in range(applications):
-        y = layer(y, training=True)
-    # d(sum(y**2) / 2)/dy = y: the loss's gradient, without the loss's ops.
-    return tape.gradient(y, [x] + weights,
-                         output_gradients=tf.stop_gradient(y))
-
-  return step
-
-
-def measure_layer(layer, x, repeats=5):
-  """Measures `layer` on input `x`; returns (LayerCost, its output).
-
-  Times are medians of `repeats` calls of traced functions. Bytes come from
-  the allocator's statistics around traced calls (`measure.peak_bytes`).
-  What the layer keeps for its backward pass is estimated as what a second
-  application adds to the peak: while the second one runs its backward pass,
-  the first one's saved tensors and output are held (an estimate: the two
-  peaks need not fall at corresponding points). For a layer whose output shape
-  differs from its input's, it is what an eager GradientTape holds instead
-  (usually more than a traced function keeps).
-  """
-
-  @tf.function
-  def forward(x):
-    return layer(x, training=True)
-
-  y = forward(x)
-  out, inp = _nbytes(y), _nbytes(x)
-  grads = _nbytes(layer.trainable_weights)
-  once = training_step(layer)
-  peak_once = measure.peak_bytes(once, x)
-  if y.shape == x.shape and y.dtype == x.dtype:
-    # The second application's weight gradients add to the first's in place.
-    saved = _extra_peak_bytes(training_step(layer, 2), once, x) - out
-  else:
-    before = measure.current_bytes()
-    with tf.GradientTape() as tape:
-      tape.watch(x)
-      held = layer(x, training=True)
-      saved = measure.current_bytes() - before - out
-    del tape, held
-  saved = max(0, saved)
-  fwd_peak = measure.peak_bytes(forward, x)
-  fwd_s, both_s = measure.median_seconds([forward, once], x,
-                                        repeats=repeats)
-  cost = LayerCost(
-      name=layer.name,
-      forward_seconds=fwd_s,
-      backward_seconds=max(0.0, both_s - fwd_s),
-      input_bytes=inp,
-      output_bytes=out,
-      saved_bytes=saved,
-      forward_transient_bytes=max(0, fwd_peak - out),
-      backward_transient_bytes=max(
-          0, peak_once - (saved + out + out + inp + grads)),
-      weight_grad_bytes=grads)
-  return cost, y
-
-
-def measure_peak(layer, x):
-  """Measured peak bytes of one training step (forward + backward) of
-  `layer` on `x`, the quantity a budget bounds."""
-  return measure.peak_bytes(training_step(layer), x)
-
-
-def measure_chain(layers, sample_input, repeats=5, progress=None):
-  """Measures each layer of a chain in turn; returns a list of LayerCost.
-
-  Then measures what long rematerialized segments cost beyond their layers'
-  forward times. Recomputing a segment of k layers and then running its
-  backward pass took longer than doing the same for k one-layer segments (on
-  the benchmark's models on a 2-core CPU machine: 3-6% of the whole step for
-  one segment over the chain), presumably because each layer's recomputed
-  tensors are no longer fresh in cache when its backward pass reads them. So
-  the chain is timed both ways, `repeats` times round-robin, and the
-  difference is spread over the layers that wait, in proportion to their
-  forward time, as `waiting_recompute_seconds`.
-
-  `progress`, a Keras Progbar if given, advances by one per layer and one for
-  the chain's timing.
-  """
-  advance = progress.add if progress is not None else lambda _: None
-  costs, x = [], tf.convert_to_tensor(sample_input)
-  for layer in layers:
-    cost, x = measure_layer(layer, x, repeats)
-    costs.append(cost)
-    advance(1)
-  if len(costs) < 2:
-    return costs
-  from tfremat import layers as layers_lib  # pylint: disable=g-import-not-at-top
-  n, x = len(layers), tf.convert_to_tensor(sample_input)
-  steps = [training_step(layers_lib.RematSequential(layers, segments))
-           for segments in ([Segment(i, i + 1, True) for i in range(n)],
-                            [Segment(0, n, True)])]
-  singles, whole = measure.median_seconds(steps, x, repeats=repeats)
-  advance(1)
-  waiting = sum(c.forward_seconds for c in costs[:-1])
-  ratio = max(0.0, whole - singles) / waiting if waiting else 0.0
-  return [dataclasses.replace(
-      c, waiting_recompute_seconds=ratio * c.forward_seconds) for c in costs]
 
 
 def _segment_terms(costs, seg):
@@ -504,6 +366,98 @@ class Plan:
       lines.append("(The cost model's peaks are estimates; the plan was "
                    "chosen on its measured peak.)")
     return "\n".join(lines)
+
+
+def calibrated_plan(costs, budget, measured_peak, rounds=4):
+  """The plan for `budget`, chosen on measured peaks, not on the model alone.
+
+  The cost model's peaks are estimates: on the benchmark's models they were
+  8-14% above (residual MLP blocks) and from 4% below to 5% above
+  (transformer blocks) the measured ones. A model that is too high costs
+  time (more is rematerialized than needed); one that is too low breaks the
+  budget. So:
+
+  1. Keeping everything is measured and chosen if it fits (within
+     `MEASUREMENT_SLACK`, for a peak's call-to-call variation).
+  2. That measurement calibrates the model: plans are made for the budget
+     times (predicted / measured peak of keeping everything).
+  3. Each plan is measured, and the model is recalibrated on it: the next
+     target is that plan's predicted peak times budget / its measured peak
+     (below its predicted peak if it did not fit). This stops after `rounds`
+     plans, when a plan fits and no faster one is predicted to, or when a
+     target gives a plan already measured.
+
+  Args:
+    costs: the chain's LayerCosts.
+    budget: a Budget, or what `Budget.parse` reads; a fraction is of the
+      measured peak of keeping everything.
+    measured_peak: segments -> the measured peak bytes of a training step
+      of the chain under them (`tfremat.chain.checked_plan` measures).
+    rounds: how many plans to measure at most, besides keeping everything.
+
+  Returns:
+    The fastest (by the model) plan measured within the budget, else the
+    lowest one within the slack, with its budget and measured peaks set.
+
+  Raises:
+    ValueError: no plan fits (the message gives the smallest budget that
+      the calibrated model predicts to fit), or none measured within the
+      budget.
+  """
+  budget = Budget.parse(budget)
+  keep = Plan(costs, keep_all(len(costs)))
+  keep_peak = keep.measured_peak_bytes = measured_peak(keep.segments)
+  budget_bytes = budget.bytes_given(keep_peak)
+  chosen = _calibrated(costs, keep, budget_bytes, measured_peak, rounds)
+  chosen.budget, chosen.budget_bytes = budget, budget_bytes
+  chosen.measured_keep_peak_bytes = keep_peak
+  return chosen
+
+
+def _calibrated(costs, keep, budget_bytes, measured_peak, rounds):
+  """`calibrated_plan`'s search, from the measured keep-everything plan."""
+  limit = budget_bytes * MEASUREMENT_SLACK
+  # Keeping everything is the fastest plan; use it whenever it really fits,
+  # whatever the model predicts.
+  if keep.measured_peak_bytes <= limit:
+    return keep
+  scale = keep.peak_bytes / max(1, keep.measured_peak_bytes)
+  target, tried = int(budget_bytes * scale), {}
+  for _ in range(rounds):
+    try:
+      chosen = plan(costs, target)
+    except ValueError:
+      if tried:
+        break  # The model has no smaller plan; use what was measured.
+      raise infeasible_budget_error(
+          budget_bytes, math.ceil(smallest_budget(costs) / scale),
+          "by the cost model calibrated on keeping everything") from None
+    key = tuple(chosen.segments)
+    if key in tried:
+      break  # Converged: this target gives a plan already measured.
+    chosen.measured_peak_bytes = measured_peak(chosen.segments)
+    tried[key] = chosen
+    # Recalibrate on this plan: the target at which the model's peak, scaled
+    # by this plan's measured / predicted ratio, meets the budget.
+    scaled = int(chosen.peak_bytes * budget_bytes /
+                 max(1, chosen.measured_peak_bytes))
+    if chosen.measured_peak_bytes > budget_bytes:
+      target = min(scaled, chosen.peak_bytes - 1)  # Below this plan.
+    elif scaled > target:
+      target = scaled  # Room left: try a faster plan.
+    else:
+      break  # It fits, and no faster plan is predicted to.
+  # A plan should fit as measured; the slack is for measuring it again.
+  fitting = [p for p in tried.values()
+             if p.measured_peak_bytes <= budget_bytes]
+  if fitting:
+    return min(fitting, key=lambda p: p.seconds)
+  lowest = min(tried.values(), key=lambda p: p.measured_peak_bytes)
+  if lowest.measured_peak_bytes <= limit:
+    return lowest
+  raise ValueError(
+      f"No plan measured within {budget_bytes / 2**20:.1f} MiB (lowest: "
+      f"{lowest.measured_peak_bytes / 2**20:.1f} MiB). Raise the budget.")
 
 
 def plan(costs, budget_bytes):

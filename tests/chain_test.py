@@ -1,0 +1,223 @@
+"""Chains: RematSequential, remat_sequential, measuring a chain, and the
+planner's budgets checked against measured peaks."""
+
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfremat
+from tfremat import chain
+from tfremat import models
+from tfremat import planner
+from conftest import assert_trees_close, random_costs
+
+
+def test_measure_chain_spreads_the_waiting_cost_by_forward_time():
+  blocks = models.residual_mlp(3, 64, dropout=0.0, residual_inside=True)
+  x = tf.random.stateless_normal([1024, 64], seed=[1, 4])
+  costs = chain.measure_chain(blocks, x, repeats=3)
+  ratios = {c.waiting_recompute_seconds / c.forward_seconds for c in costs}
+  assert len({round(r, 12) for r in ratios}) == 1 and min(ratios) >= 0, costs
+
+def test_measure_layer_counts_bytes_exactly():
+  keras.utils.set_random_seed(0)
+  block = keras.Sequential([keras.layers.Dense(256, activation="relu"),
+                            keras.layers.Dense(64)])
+  x = tf.random.stateless_normal([512, 64], seed=[1, 1])
+  block(x)
+  cost, y = chain.measure_layer(block, x, repeats=2)
+  assert cost.input_bytes == cost.output_bytes == 512 * 64 * 4
+  assert cost.weight_grad_bytes == (64 * 256 + 256 + 256 * 64 + 64) * 4
+  # The hidden relu output (read by both backward matmuls) is kept; the
+  # input and output are counted as such, not as saved. The measurement is
+  # a difference of two peaks, so only its scale is checked.
+  hidden = 512 * 256 * 4
+  assert 0.5 * hidden <= cost.saved_bytes <= 2.1 * hidden, cost
+  assert cost.forward_seconds > 0 and cost.backward_seconds >= 0
+  assert y.shape == (512, 64)
+
+def test_training_step_loss_reads_the_output():
+  # With an incoming gradient built from the output's shape alone, TF prunes
+  # the forward ops the backward pass does not read (a rematerialized last
+  # segment's whole forward pass), and times and peaks come out too low.
+  keras.utils.set_random_seed(0)
+  dense = keras.layers.Dense(8)
+  x = tf.random.stateless_normal([4, 8], seed=[1, 3])
+  y = dense(x)
+  grads = chain.training_step(dense)(x)
+  # The loss is sum(y**2) / 2, so dL/dx = y W^T and dL/dW = x^T y.
+  assert_trees_close(grads[0], tf.matmul(y, dense.kernel, transpose_b=True))
+  assert_trees_close(grads[1], tf.matmul(x, y, transpose_a=True))
+
+@pytest.mark.parametrize("segments", [1, 2, "sqrt"])
+def test_remat_sequential_segments_match_plain(segments):
+  blocks = models.residual_mlp(4, 16, dropout=0.3, residual_inside=True)
+  layer = tfremat.remat_sequential(blocks, segments=segments)
+  x = tf.random.stateless_normal([8, 16], seed=[2, 2])
+
+  def grads(f):
+    with tf.GradientTape() as tape:
+      tape.watch(x)
+      y = f(x)
+      loss = tf.reduce_sum(y * tf.sin(y))
+    return y, tape.gradient(loss, [x] + layer.trainable_weights)
+
+  def plain(h):
+    for b in blocks:
+      h = b(h, training=True)
+    return h
+
+  state = [v.numpy() for v in layer.variables]
+  expected = grads(plain)
+  for v, value in zip(layer.variables, state):
+    v.assign(value)
+  assert_trees_close(grads(lambda h: layer(h, training=True)), expected)
+
+def test_remat_sequential_round_trips_through_a_keras_file(tmp_path):
+  blocks = models.residual_mlp(3, 8, dropout=0.0, residual_inside=True)
+  layer = tfremat.remat_sequential(blocks, segments=2)
+  inputs = keras.Input((8,))
+  model = keras.Model(inputs, layer(inputs))
+  model.save(tmp_path / "m.keras")
+  loaded = keras.models.load_model(tmp_path / "m.keras")
+  x = np.ones([2, 8], "float32")
+  assert_trees_close(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+  assert loaded.layers[1].segments == layer.segments
+
+def test_remat_sequential_argument_errors():
+  blocks = models.residual_mlp(2, 4, dropout=0.0, residual_inside=True)
+  with pytest.raises(ValueError, match="either segments"):
+    tfremat.remat_sequential(blocks)
+  with pytest.raises(ValueError, match="either segments"):
+    tfremat.remat_sequential(blocks, segments=1, budget_bytes=10)
+  with pytest.raises(ValueError, match="needs sample_input"):
+    tfremat.remat_sequential(blocks, budget_bytes=10)
+  with pytest.raises(TypeError, match="list of Keras layers"):
+    tfremat.RematSequential([lambda x: x], [(0, 1, True)])
+  with pytest.raises(ValueError, match="cover layers"):
+    tfremat.RematSequential(blocks, [(0, 1, True)])
+
+def _chain(name):
+  if name == "mlp":
+    blocks = models.residual_mlp(16, 64, dropout=0.1, residual_inside=True)
+    x = tf.random.stateless_normal([2048, 64], seed=[1, 2])
+  else:
+    embed, blocks, _ = models.transformer_parts(
+        128, 64, 64, 4, 6, dropout=0.1)
+    x = embed(tf.random.stateless_uniform([16, 64], seed=[1, 2], maxval=128,
+                                          dtype=tf.int32))
+  return blocks, x
+
+@pytest.mark.parametrize("model", ["mlp", "transformer"])
+def test_budgets_hold_when_measured(model):
+  blocks, x = _chain(model)
+  keep = planner.keep_all(len(blocks))
+  full = chain.measure_peak(tfremat.RematSequential(blocks, keep), x)
+  costs = chain.measure_chain(blocks, x)
+  for fraction in (0.3, 0.5, 0.8):
+    budget = int(fraction * full)
+    chosen = chain.checked_plan(blocks, budget, x, costs=costs)
+    # Measured again, on a fresh layer: the bound the budget promises.
+    measured = chain.measure_peak(
+        tfremat.RematSequential(blocks, chosen.segments), x)
+    assert measured <= planner.MEASUREMENT_SLACK * budget, (
+        fraction, measured, budget, str(chosen))
+    assert any(chosen.rematerialized)
+  layer = tfremat.remat_sequential(blocks, budget=full, sample_input=x)
+  assert not any(layer.plan.rematerialized)
+
+def _bn_dropout_chain():
+  keras.utils.set_random_seed(3)
+  layers = [keras.Sequential([keras.layers.Dense(32, activation="relu"),
+                              keras.layers.BatchNormalization(),
+                              keras.layers.Dropout(0.5, seed=i),
+                              keras.layers.Dense(16)]) for i in range(3)]
+  x = tf.random.stateless_normal([256, 16], seed=[2, 3]) * 3.0 + 1.0
+  return layers, x
+
+def test_planning_leaves_every_variable_as_it_was():
+  # Issue "Keras and Lingvo users' first hour" [4]: measuring runs training
+  # steps, which moved BatchNormalization statistics (by 2.64 once) and
+  # advanced dropout seed generators.
+  layers, x = _bn_dropout_chain()
+  for layer in layers:
+    layer.build((None, 16))
+  variables = [v for layer in layers for v in layer.variables]
+  assert any("seed_generator" in v.path for v in variables)
+  before = [np.array(v.numpy()) for v in variables]
+  chain = tfremat.remat_sequential(layers, budget=10**9, sample_input=x)
+  assert chain.plan is not None
+  for v, value in zip(variables, before):
+    np.testing.assert_array_equal(v.numpy(), value, err_msg=v.path)
+
+def test_planning_unbuilt_layers_leaves_their_statistics_initial():
+  # [4] Layers the planner builds get the values a build gives them.
+  layers, x = _bn_dropout_chain()
+  tfremat.remat_sequential(layers, budget="1GiB", sample_input=x)
+  norms = [layer.layers[1] for layer in layers]
+  for norm in norms:
+    np.testing.assert_array_equal(norm.moving_mean.numpy(), 0.0)
+    np.testing.assert_array_equal(norm.moving_variance.numpy(), 1.0)
+
+@pytest.mark.parametrize("given,error,match", [
+    ("abc", ValueError, "A budget is bytes as an int"),
+    ("5 parsecs", ValueError, "A budget is bytes as an int"),
+    (float("nan"), ValueError, "fraction of the keep-everything peak"),
+    (1.5, ValueError, "fraction of the keep-everything peak"),
+    (0.0, ValueError, "fraction of the keep-everything peak"),
+    ("150%", ValueError, "percentage budget must be in"),
+    (0, ValueError, "must be positive"),
+    (-5, ValueError, "must be positive"),
+    (True, TypeError, "A budget is bytes as an int"),
+    ([100], TypeError, "A budget is bytes as an int")])
+def test_bad_budgets_fail_before_anything_is_measured(
+    monkeypatch, given, error, match):
+  def measured(*args, **kwargs):
+    raise AssertionError("measured before the budget was checked")
+
+  monkeypatch.setattr(chain, "measure_layer", measured)
+  monkeypatch.setattr(chain, "measure_peak", measured)
+  blocks = models.residual_mlp(2, 4, dropout=0.0, residual_inside=True)
+  with pytest.raises(error, match=match):
+    tfremat.remat_sequential(blocks, budget=given,
+                             sample_input=np.ones([2, 4], "float32"))
+  with pytest.raises(error, match=match):
+    tfremat.builder.Base.Params().Instantiate()._RematerializeSeq(
+        "s", None, budget=given, sample_input=np.ones([2, 4], "float32"))
+
+def test_checked_plan_shows_progress_without_escape_codes_in_a_log(
+    monkeypatch, capsys):
+  costs = random_costs(np.random.default_rng(6), 8)
+  monkeypatch.setattr(chain, "measure_peak", lambda layer, x: int(
+      planner.predict(costs, layer.segments)[0]))
+  layers = [keras.layers.Identity() for _ in costs]
+  budget = 0.5
+  chain.checked_plan(layers, budget, None, costs=costs, verbose=1)
+  out = capsys.readouterr().out
+  assert "measurement" in out, out
+  assert "\x1b" not in out and "\r" not in out and "\b" not in out, repr(out)
+  chain.checked_plan(layers, budget, None, costs=costs)
+  assert capsys.readouterr().out == ""
+
+def test_remat_sequential_accepts_a_keras_sequential():
+  blocks = models.residual_mlp(3, 8, dropout=0.0, residual_inside=True)
+  chain = tfremat.remat_sequential(keras.Sequential(blocks), segments=3)
+  assert chain.chain == blocks
+  x = np.ones([2, 8], "float32")
+  assert_trees_close(chain(x), keras.Sequential(blocks)(x))
+  with pytest.raises(TypeError, match="Pass \\[layer\\]"):
+    tfremat.remat_sequential(blocks[0], segments=1)
+
+def test_plan_prints_the_same_after_a_keras_file(tmp_path):
+  blocks = models.residual_mlp(3, 16, dropout=0.0, residual_inside=True)
+  x = tf.random.stateless_normal([64, 16], seed=[1, 2])
+  layer = tfremat.remat_sequential(blocks, budget="100%", sample_input=x,
+                                   verbose=0)
+  inputs = keras.Input((16,))
+  keras.Model(inputs, layer(inputs)).save(tmp_path / "m.keras")
+  loaded = keras.models.load_model(tmp_path / "m.keras").layers[1]
+  assert str(loaded.plan) == str(layer.plan)
+  assert "100% of the measured peak of keeping" in str(loaded.plan)
+  assert loaded.segments == layer.segments

@@ -1,0 +1,368 @@
+"""Chains of layers with chosen rematerialization, and measuring them.
+
+  chain = tfremat.remat_sequential(blocks, segments="sqrt")
+  chain = tfremat.remat_sequential(blocks, budget="50%", sample_input=x)
+  print(chain.plan)
+
+`RematSequential` runs a chain of Keras layers, rematerializing the chosen
+segments. `remat_sequential` chooses them: uniformly, or for a memory budget
+by measuring the chain (`measure_chain`) and asking the planner
+(`tfremat.planner`), whose choice `checked_plan` checks by measurement.
+"""
+
+import contextlib
+import dataclasses
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfremat import measure
+from tfremat import planner
+from tfremat.layers import RematerializationLayer
+
+
+@keras.saving.register_keras_serializable(package="tfremat")
+class RematSequential(keras.layers.Layer):
+  """Runs a chain of layers, rematerializing the chosen segments.
+
+  Made by `tfremat.remat_sequential`. Each rematerialized segment runs as a
+  `RematerializationLayer` around a `keras.Sequential` of its layers; kept
+  segments run their layers directly.
+
+  Args:
+    layers: the chain's Keras layers, each taking the previous one's output,
+      or a `keras.Sequential` of them.
+    segments: `(start, stop, remat)` triples covering the chain in order.
+    plan: the planner's `Plan` that chose the segments, if it did; kept in
+      the layer's config, so `.plan` prints the same after a `.keras` file
+      is saved and loaded.
+  """
+
+  def __init__(self, layers, segments, plan=None, **kwargs):
+    layers = _chain_layers(layers, "RematSequential")
+    segments = [s if isinstance(s, planner.Segment) else planner.Segment(*s)
+                for s in segments]
+    planner.check_segments(segments, len(layers))
+    super().__init__(**kwargs)
+    self.chain = layers
+    self.segments = segments
+    if isinstance(plan, dict):
+      plan = planner.Plan.from_config(plan)
+    self.plan = plan
+    self.steps = []
+    for seg in segments:
+      part = layers[seg.start:seg.stop]
+      self.steps += ([RematerializationLayer(keras.Sequential(part))]
+                     if seg.remat else part)
+
+  def build(self, input_shape=None):
+    del input_shape  # Each layer builds itself on its first call.
+    self.built = True
+
+  def call(self, x, training=None):
+    for step in self.steps:
+      x = step(x, training=training)
+    return x
+
+  def compute_output_spec(self, x, training=None):
+    # Called on symbolic inputs, each step makes its own symbolic call.
+    return self.call(x, training=training)
+
+  def get_config(self):
+    return {
+        **super().get_config(),
+        "layers": [keras.saving.serialize_keras_object(l) for l in self.chain],
+        "segments": [[s.start, s.stop, s.remat] for s in self.segments],
+        "plan": self.plan.get_config() if self.plan else None,
+    }
+
+  @classmethod
+  def from_config(cls, config, custom_objects=None):
+    config = dict(config)
+    layers = [keras.saving.deserialize_keras_object(
+        l, custom_objects=custom_objects) for l in config.pop("layers")]
+    return cls(layers, **config)
+
+
+def _chain_layers(layers, caller):
+  """`layers` as a list of Keras layers: a `keras.Sequential`'s own, or the
+  given iterable's; TypeError otherwise."""
+  if isinstance(layers, keras.Sequential):
+    layers = layers.layers
+  elif isinstance(layers, keras.layers.Layer):
+    raise TypeError(
+        f"{caller} needs a list of Keras layers or a keras.Sequential; got "
+        f"one {type(layers).__name__}. Pass [layer] for a chain of one.")
+  layers = list(layers)
+  bad = [l for l in layers if not isinstance(l, keras.layers.Layer)]
+  if not layers or bad:
+    raise TypeError(
+        f"{caller} needs a non-empty list of Keras layers or a "
+        f"keras.Sequential; got "
+        f"{[type(l).__name__ for l in bad] or 'an empty list'}.")
+  return layers
+
+
+def remat_sequential(layers, segments=None, budget=None, sample_input=None,
+                     verbose=1, budget_bytes=None):
+  """A Keras layer running `layers` in order, with chosen rematerialization.
+
+  Either uniform segments:
+
+    chain = tfremat.remat_sequential(blocks, segments="sqrt")
+
+  or the planner's choice for a memory budget, measured on a sample batch:
+
+    chain = tfremat.remat_sequential(blocks, budget="50%", sample_input=x)
+    print(chain.plan)
+
+  Args:
+    layers: Keras layers, each taking the previous one's output, or a
+      `keras.Sequential` of them.
+    segments: an int, or "sqrt" for about sqrt(len(layers)) equal segments,
+      every one rematerialized (Chen et al. 2016).
+    budget: instead of `segments`, a budget for a training step's peak
+      memory (`tfremat.measure.peak_bytes`): bytes as an int or a string
+      with a unit ("200MiB"), or a fraction of the measured peak of keeping
+      everything, as a float in (0, 1] or a percentage ("50%"). The chain is
+      measured on `sample_input`, and the planner picks the fastest choice
+      that fits, checked by measurement (`checked_plan`). Every variable of
+      `layers` is left as it was.
+    sample_input: a batch like the ones the chain will train on.
+    verbose: 1 shows a progress bar while the chain is measured; 0 shows
+      nothing.
+    budget_bytes: the older name of `budget`.
+
+  Returns:
+    A `RematSequential` layer; `.plan` holds the planner's Plan when a budget
+    was given (also after saving and loading), else None.
+
+  Raises:
+    ValueError, TypeError: bad arguments, before anything is measured.
+  """
+  if budget_bytes is not None:
+    if budget is not None:
+      raise ValueError("remat_sequential: give budget or budget_bytes (its "
+                       "older name), not both.")
+    budget = budget_bytes
+  if (segments is None) == (budget is None):
+    raise ValueError(
+        "remat_sequential: give either segments (an int or \"sqrt\") or "
+        "budget with sample_input, not both or neither.")
+  layers = _chain_layers(layers, "remat_sequential")
+  if segments is not None:
+    return RematSequential(layers,
+                           planner.uniform_segments(len(layers), segments))
+  budget = planner.Budget.parse(budget)
+  if sample_input is None:
+    raise ValueError(
+        "remat_sequential: budget needs sample_input, a batch to measure the "
+        "layers on.")
+  chosen = checked_plan(layers, budget, sample_input, verbose=verbose)
+  return RematSequential(layers, chosen.segments, plan=chosen)
+
+
+def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
+                 verbose=0):
+  """The planner's plan for `layers`, checked by measuring training steps on
+  `sample_input` (`planner.calibrated_plan`).
+
+  Args:
+    layers: the chain: Keras layers or a `keras.Sequential`.
+    budget: the budget for a training step's peak, in any form
+      `planner.Budget.parse` reads (bytes, "200MiB", 0.5, "50%"); a fraction
+      is of the measured peak of keeping everything.
+    sample_input: the batch to measure on.
+    rounds: how many plans to measure at most.
+    costs: `measure_chain(layers, sample_input)`, if already known.
+    verbose: 1 shows a progress bar over the measurements.
+
+  Every variable of `layers` is left as it was: measuring runs training
+  steps, which move BatchNormalization statistics and advance dropout seed
+  generators, so their values are put back afterwards.
+
+  Raises:
+    ValueError: no plan fits (the message gives the smallest budget that
+      the calibrated model predicts to fit), or none measured within the
+      budget.
+  """
+  layers = _chain_layers(layers, "checked_plan")
+  budget = planner.Budget.parse(budget)
+  steps = (len(layers) + (len(layers) > 1) if costs is None else 0) + 1
+  progress = measure.progress_bar(steps + rounds, "measurement", verbose)
+
+  def measured_peak(segments):
+    peak = measure_peak(RematSequential(layers, segments), sample_input)
+    if progress is not None:
+      progress.add(1)
+    return peak
+
+  with _variables_restored(layers, sample_input):
+    if costs is None:
+      costs = measure_chain(layers, sample_input, progress=progress)
+    chosen = planner.calibrated_plan(costs, budget, measured_peak, rounds)
+  if progress is not None:
+    progress.update(progress.target, finalize=True)
+  return chosen
+
+
+@contextlib.contextmanager
+def _variables_restored(layers, sample_input):
+  """Puts every variable of `layers` back as it was when the block ends.
+
+  Unbuilt layers are built first by an inference call, which changes no
+  state, so that their variables exist to be restored.
+  """
+  x = sample_input
+  for layer in layers:
+    x = layer(x)
+  del x  # Held through the measurements, it would shift their peaks.
+  variables = [v for layer in layers for v in layer.variables]
+  values = [np.array(v.numpy()) for v in variables]
+  try:
+    yield
+  finally:
+    for variable, value in zip(variables, values):
+      variable.assign(value)
+
+
+def _nbytes(tree):
+  # Keras variables name their dtype with a string.
+  return sum(int(np.prod(t.shape)) * tf.as_dtype(t.dtype).size
+             for t in tf.nest.flatten(tree) if t is not None)
+
+
+def _extra_peak_bytes(more, less, x):
+  """How far `more(x)`'s peak exceeds `less(x)`'s.
+
+  The median, over `measure.PEAK_CALLS` pairs of calls, of the difference
+  of the two calls' peaks. A difference of two maxima over calls was far
+  noisier: for one two-layer block it ranged over 0.5x-2.1x of the tensor
+  it estimates, this median over 1.0x-1.25x.
+  """
+  more(x)  # Trace outside the measurement.
+  less(x)
+  return int(np.median([
+      measure.peak_bytes(more, x, calls=1, warmup=False) -
+      measure.peak_bytes(less, x, calls=1, warmup=False)
+      for _ in range(measure.PEAK_CALLS)]))
+
+
+def training_step(layer, applications=1, jit=False):
+  """A traced training step of a chain: forward and backward of `layer`
+  (applied `applications` times in a row) on a batch, for the loss
+  sum(y**2) / 2 of its output y; returns the input and weight gradients.
+
+  The loss must read y: with an incoming gradient that depends only on y's
+  shape (such as ones), TensorFlow prunes the forward ops whose values the
+  backward pass does not read, so a rematerialized last segment's forward
+  pass would cost nothing and every timing and peak would be too low.
+  """
+  weights = layer.trainable_weights
+
+  @tf.function(jit_compile=jit)
+  def step(x):
+    with tf.GradientTape() as tape:
+      tape.watch(x)
+      y = x
+      for _ in range(applications):
+        y = layer(y, training=True)
+    # d(sum(y**2) / 2)/dy = y: the loss's gradient, without the loss's ops.
+    return tape.gradient(y, [x] + weights,
+                         output_gradients=tf.stop_gradient(y))
+
+  return step
+
+
+def measure_layer(layer, x, repeats=5):
+  """Measures `layer` on input `x`; returns (LayerCost, its output).
+
+  Times are medians of `repeats` calls of traced functions. Bytes come from
+  the allocator's statistics around traced calls (`measure.peak_bytes`).
+  What the layer keeps for its backward pass is estimated as what a second
+  application adds to the peak: while the second one runs its backward pass,
+  the first one's saved tensors and output are held (an estimate: the two
+  peaks need not fall at corresponding points). For a layer whose output shape
+  differs from its input's, it is what an eager GradientTape holds instead
+  (usually more than a traced function keeps).
+  """
+
+  @tf.function
+  def forward(x):
+    return layer(x, training=True)
+
+  y = forward(x)
+  out, inp = _nbytes(y), _nbytes(x)
+  grads = _nbytes(layer.trainable_weights)
+  once = training_step(layer)
+  peak_once = measure.peak_bytes(once, x)
+  if y.shape == x.shape and y.dtype == x.dtype:
+    # The second application's weight gradients add to the first's in place.
+    saved = _extra_peak_bytes(training_step(layer, 2), once, x) - out
+  else:
+    before = measure.current_bytes()
+    with tf.GradientTape() as tape:
+      tape.watch(x)
+      held = layer(x, training=True)
+      saved = measure.current_bytes() - before - out
+    del tape, held
+  saved = max(0, saved)
+  fwd_peak = measure.peak_bytes(forward, x)
+  fwd_s, both_s = measure.median_seconds([forward, once], x,
+                                        repeats=repeats)
+  cost = planner.LayerCost(
+      name=layer.name,
+      forward_seconds=fwd_s,
+      backward_seconds=max(0.0, both_s - fwd_s),
+      input_bytes=inp,
+      output_bytes=out,
+      saved_bytes=saved,
+      forward_transient_bytes=max(0, fwd_peak - out),
+      backward_transient_bytes=max(
+          0, peak_once - (saved + out + out + inp + grads)),
+      weight_grad_bytes=grads)
+  return cost, y
+
+
+def measure_peak(layer, x):
+  """Measured peak bytes of one training step (forward + backward) of
+  `layer` on `x`, the quantity a budget bounds."""
+  return measure.peak_bytes(training_step(layer), x)
+
+
+def measure_chain(layers, sample_input, repeats=5, progress=None):
+  """Measures each layer of a chain in turn; returns a list of LayerCost.
+
+  Then measures what long rematerialized segments cost beyond their layers'
+  forward times. Recomputing a segment of k layers and then running its
+  backward pass took longer than doing the same for k one-layer segments (on
+  the benchmark's models on a 2-core CPU machine: 3-6% of the whole step for
+  one segment over the chain), presumably because each layer's recomputed
+  tensors are no longer fresh in cache when its backward pass reads them. So
+  the chain is timed both ways, `repeats` times round-robin, and the
+  difference is spread over the layers that wait, in proportion to their
+  forward time, as `waiting_recompute_seconds`.
+
+  `progress`, a Keras Progbar if given, advances by one per layer and one for
+  the chain's timing.
+  """
+  advance = progress.add if progress is not None else lambda _: None
+  costs, x = [], tf.convert_to_tensor(sample_input)
+  for layer in layers:
+    cost, x = measure_layer(layer, x, repeats)
+    costs.append(cost)
+    advance(1)
+  if len(costs) < 2:
+    return costs
+  n, x = len(layers), tf.convert_to_tensor(sample_input)
+  steps = [training_step(RematSequential(layers, segments))
+           for segments in ([planner.Segment(i, i + 1, True)
+                             for i in range(n)],
+                            [planner.Segment(0, n, True)])]
+  singles, whole = measure.median_seconds(steps, x, repeats=repeats)
+  advance(1)
+  waiting = sum(c.forward_seconds for c in costs[:-1])
+  ratio = max(0.0, whole - singles) / waiting if waiting else 0.0
+  return [dataclasses.replace(
+      c, waiting_recompute_seconds=ratio * c.forward_seconds) for c in costs]
