@@ -233,8 +233,8 @@ class DeterministicDropoutLayer(BaseLayer):
 
   def __init__(self, params):
     super().__init__(params)
-    # Like a Keras SeedGenerator's state: one per layer, not synchronized
-    # between replicas (each replica draws with its own step seed).
+    # A step counter kept like a Keras SeedGenerator's state: not trained,
+    # not aggregated across replicas.
     self.calls = self.add_weight(
         shape=(), dtype="int64", initializer="zeros", trainable=False,
         aggregation="none", name="calls")

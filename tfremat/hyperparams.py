@@ -229,7 +229,7 @@ class Params:
 
   def FromText(self, text):
     """Sets values from `ToText` output (the structure must already exist)."""
-    updates = []
+    updates = {}
     for number, line in enumerate(text.splitlines(), 1):
       line = line.strip()
       if not line or line.startswith("#"):
@@ -238,12 +238,9 @@ class Params:
       if not sep:
         raise ValueError(
             f"FromText line {number}: expected 'name : value', got {line!r}.")
-      node, name = self._Resolve(key.strip())
-      node._Lookup(name)
-      updates.append((node, name, _TextToValue(value.strip(), key)))
-    for node, name, value in updates:  # All lines parse before any is set.
-      node._params[name].value = value
-    return self
+      updates[key.strip()] = _TextToValue(value.strip(), key)
+    # All lines parse before Set, which checks every name before setting any.
+    return self.Set(**updates)
 
 
 class InstantiableParams(Params):

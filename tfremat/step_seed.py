@@ -94,8 +94,9 @@ def GetGlobalStep():
 
 
 _NO_GLOBAL_STEP = (
-    "{what} was called in a tf.function (or Keras fit) with no global step "
-    "set. Seeds are [global step, step seed], and the step seed restarts at "
+    "GenerateStepSeedPair was called in a tf.function (or Keras fit) with no "
+    "global step set. Seeds are [global step, step seed], and the step seed "
+    "restarts at "
     "every call of a traced function, so without a global step every "
     "training step would draw the same dropout masks. Call "
     "tfremat.SetGlobalStep(optimizer.iterations) (or any integer variable "
@@ -126,7 +127,7 @@ def GenerateStepSeedPair(random_seed=None, op_seed=None):
     RuntimeError: in a tf.function with no global step set.
   """
   if not tf.executing_eagerly() and not HasGlobalStep():
-    raise RuntimeError(_NO_GLOBAL_STEP.format(what="GenerateStepSeedPair"))
+    raise RuntimeError(_NO_GLOBAL_STEP)
   return SeedPair(GetGlobalStep(), random_seed, op_seed)
 
 
