@@ -91,9 +91,9 @@ def test_remat_sequential_argument_errors():
   with pytest.raises(ValueError, match="either segments"):
     tfremat.remat_sequential(blocks)
   with pytest.raises(ValueError, match="either segments"):
-    tfremat.remat_sequential(blocks, segments=1, budget_bytes=10)
+    tfremat.remat_sequential(blocks, segments=1, budget=10)
   with pytest.raises(ValueError, match="needs sample_input"):
-    tfremat.remat_sequential(blocks, budget_bytes=10)
+    tfremat.remat_sequential(blocks, budget=10)
   with pytest.raises(TypeError, match="list of Keras layers"):
     tfremat.RematSequential([lambda x: x], [(0, 1, True)])
   with pytest.raises(ValueError, match="cover layers"):

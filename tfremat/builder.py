@@ -92,7 +92,7 @@ class Base:
     return RematerializationLayer.Params().Set(name=name, body=body)
 
   def _RematerializeSeq(self, name, segments, *subs, budget=None,
-                        sample_input=None, budget_bytes=None):
+                        sample_input=None):
     """_Seq(*subs), split into segments that are rematerialized or kept.
 
     Args:
@@ -105,13 +105,7 @@ class Base:
         fits. Bytes, "200MiB", or a fraction of the keep-everything peak
         (0.5, "50%"), as in `tfremat.remat_sequential`.
       sample_input: a batch to measure on, with `budget`.
-      budget_bytes: the older name of `budget`.
     """
-    if budget_bytes is not None:
-      if budget is not None:
-        raise ValueError("_RematerializeSeq: give budget or budget_bytes (its "
-                         "older name), not both.")
-      budget = budget_bytes
     if (segments is None) == (budget is None):
       raise ValueError(
           "_RematerializeSeq: give either segments (an int or \"sqrt\") or "

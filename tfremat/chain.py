@@ -105,7 +105,7 @@ def _chain_layers(layers, caller):
 
 
 def remat_sequential(layers, segments=None, budget=None, sample_input=None,
-                     verbose=1, budget_bytes=None):
+                     verbose=1):
   """A Keras layer running `layers` in order, with chosen rematerialization.
 
   Either uniform segments:
@@ -132,7 +132,6 @@ def remat_sequential(layers, segments=None, budget=None, sample_input=None,
     sample_input: a batch like the ones the chain will train on.
     verbose: 1 shows a progress bar while the chain is measured; 0 shows
       nothing.
-    budget_bytes: the older name of `budget`.
 
   Returns:
     A `RematSequential` layer; `.plan` holds the planner's Plan when a budget
@@ -141,11 +140,6 @@ def remat_sequential(layers, segments=None, budget=None, sample_input=None,
   Raises:
     ValueError, TypeError: bad arguments, before anything is measured.
   """
-  if budget_bytes is not None:
-    if budget is not None:
-      raise ValueError("remat_sequential: give budget or budget_bytes (its "
-                       "older name), not both.")
-    budget = budget_bytes
   if (segments is None) == (budget is None):
     raise ValueError(
         "remat_sequential: give either segments (an int or \"sqrt\") or "
