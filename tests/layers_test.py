@@ -348,3 +348,17 @@ def test_summary_names_the_wrapped_layer():
   assert "remat_block7" in "\n".join(lines)
   named = tfremat.RematerializationLayer(_block(8), name="mine")
   assert named.name == "mine"
+
+
+def test_wrapped_dense_round_trips_through_a_keras_file(tmp_path):
+  # Found by remat_model: a Dense deserializes already built, and building it
+  # again from the wrapper's build config added its weights twice ("cannot
+  # add new elements of state").
+  keras.utils.set_random_seed(2)
+  inputs = keras.Input((4,))
+  model = keras.Model(inputs, tfremat.RematerializationLayer(
+      keras.layers.Dense(3, activation="relu"))(inputs))
+  model.save(tmp_path / "m.keras")
+  loaded = keras.models.load_model(tmp_path / "m.keras")
+  x = np.ones([2, 4], "float32")
+  assert_trees_close(loaded.predict(x, verbose=0), model.predict(x, verbose=0))

@@ -65,6 +65,7 @@ from tfremat.chain import remat_sequential
 from tfremat.remat import RematerializeFn
 from tfremat.remat import RerunMismatchError
 from tfremat.remat import rematerialize
+from tfremat.remat_model import remat_model
 from tfremat.state import UnreplayableOpError
 from tfremat.step_seed import DeterministicDropout
 from tfremat.step_seed import GenerateStepSeedPair

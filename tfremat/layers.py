@@ -102,7 +102,10 @@ class RematerializationLayer(keras.layers.Wrapper):
     return self.layer.get_build_config()
 
   def build_from_config(self, config):
-    if config:
+    # Deserializing the wrapped layer may already have built it (a Dense
+    # saved with its build config): building again would add its weights
+    # twice.
+    if config and not self.layer.built:
       self.layer.build_from_config(config)
     self.built = True
 

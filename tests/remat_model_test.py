@@ -1,0 +1,203 @@
+"""remat_model: a whole Keras model rematerialized in one call, exactly.
+
+Issue "Rematerialize a whole Keras model in one call": the modes of
+`keras.RematScope` ("full", "activations", "larger_than", "list_of_layers")
+on a functional transformer LM, a ResNet-style CNN with BatchNormalization
+and a model with two inputs; the same layer objects, `fit`, `.keras` files.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfremat
+from tfremat import models
+from tfremat.remat_model import RematerializeActivation
+from tfremat.remat_model import remat_model
+from conftest import DEVICES, assert_parity, assert_trees_close
+
+
+def _resnet():
+  keras.utils.set_random_seed(4)
+  inputs = keras.Input((8, 8, 3))
+  h = keras.layers.Conv2D(8, 3, padding="same", name="stem")(inputs)
+  for i in range(2):
+    body = keras.layers.Conv2D(8, 3, padding="same", name=f"conv{i}")(h)
+    body = keras.layers.BatchNormalization(name=f"bn{i}")(body)
+    body = keras.layers.Dropout(0.3, seed=i, name=f"drop{i}")(body)
+    h = keras.layers.ReLU()(keras.layers.Add()([h, body]))
+  outputs = keras.layers.Dense(
+      2, activation="tanh", name="head")(keras.layers.GlobalAveragePooling2D()(h))
+  return keras.Model(inputs, outputs), tf.random.stateless_normal(
+      [4, 8, 8, 3], seed=[1, 2])
+
+
+def _two_inputs():
+  keras.utils.set_random_seed(5)
+  a, b = keras.Input((6,), name="a"), keras.Input((4,), name="b")
+  h = keras.layers.Concatenate()([
+      keras.layers.Dense(8, activation="relu", name="da")(a),
+      keras.layers.Dense(8, activation="gelu", name="db")(b)])
+  h = keras.layers.Dropout(0.5, seed=3)(h)
+  model = keras.Model([a, b], keras.layers.Dense(3, name="out")(h))
+  return model, [tf.random.stateless_normal([5, 6], seed=[1, 1]),
+                 tf.random.stateless_normal([5, 4], seed=[1, 2])]
+
+
+def _transformer():
+  model = models.transformer_lm(32, 8, 16, 2, 2, dropout=0.1, remat=False,
+                                seed=6)
+  tokens = tf.random.stateless_uniform([2, 8], seed=[3, 4], maxval=32,
+                                       dtype=tf.int32)
+  return model, tokens
+
+
+def _wrapped(model):
+  """The wrappers in `model`, nested models included."""
+  found = []
+  for layer in model.layers:
+    if isinstance(layer, (tfremat.RematerializationLayer,
+                          RematerializeActivation)):
+      found.append(layer)
+    elif isinstance(layer, keras.Model):
+      found += _wrapped(layer)
+  return found
+
+
+MODELS = {"resnet": _resnet, "two_inputs": _two_inputs,
+          "transformer": _transformer}
+MODES = [("full", {}), ("activations", {}),
+         ("larger_than", {"output_size_threshold": 10}),
+         ("list_of_layers", None)]
+
+
+def _mode_args(model, mode, kwargs):
+  if kwargs is not None:
+    return kwargs
+  names = [l.name for l in model.layers
+           if not isinstance(l, keras.layers.InputLayer)]
+  return {"layer_names": names[1::2]}
+
+
+# Every model in every mode in tf.function; under XLA, each mode once, on a
+# different model (the suite's time is bounded).
+CASES = ([("function", name, mode) for name in sorted(MODELS)
+          for mode in range(len(MODES))] +
+         [("xla", "transformer", 0), ("xla", "resnet", 1),
+          ("xla", "two_inputs", 2), ("xla", "resnet", 3)])
+
+
+@pytest.mark.parametrize(
+    "step_mode,name,mode,kwargs",
+    [(step, name, *MODES[m]) for step, name, m in CASES],
+    ids=[f"{step}-{name}-{MODES[m][0]}" for step, name, m in CASES])
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradients_and_state_equal_the_original_models(
+    device, step_mode, name, mode, kwargs):
+  with tf.device(device):
+    model, x = MODELS[name]()
+    rematerialized = remat_model(model, mode, **_mode_args(model, mode, kwargs))
+  assert _wrapped(rematerialized), rematerialized.summary()
+
+  def call(remat, inputs):
+    return (rematerialized if remat else model)(inputs, training=True)
+
+  # Dropout seed states and BatchNormalization statistics move once, as in
+  # the original model.
+  assert_parity(call, (x,), model.trainable_weights, step_mode, device,
+                state=model.variables)
+
+
+def test_eager_gradients_equal_the_original_models():
+  model, x = _resnet()
+  rematerialized = remat_model(model, "full")
+  assert_parity(lambda remat, inputs: (rematerialized if remat else model)(
+      inputs, training=True), (x,), model.trainable_weights, "eager",
+                "/CPU:0", state=model.variables)
+
+
+def test_modes_choose_what_keras_remat_scope_would():
+  model, _ = _resnet()
+  kinds = lambda m: [type(l).__name__ for l in m.layers[1:]]
+  full = remat_model(model, "full")
+  assert set(kinds(full)) == {"RematerializationLayer"}
+  activations = remat_model(model, "activations")
+  # Layers with an `activation`: the convolutions, the Dense head and the
+  # ReLU layers.
+  with_activation = {l.name for l in model.layers
+                     if getattr(l, "activation", None) is not None}
+  assert {l.layer.name for l in activations.layers
+          if isinstance(l, RematerializeActivation)} == with_activation
+  larger = remat_model(model, "larger_than", output_size_threshold=8 * 8 * 8)
+  # Outputs of 8x8x8 = 512 elements are not larger than 512; none is.
+  assert kinds(larger) == kinds(model)
+  larger = remat_model(model, "larger_than", output_size_threshold=511)
+  assert {l.layer.name for l in larger.layers
+          if isinstance(l, tfremat.RematerializationLayer)} == {
+              l.name for l in model.layers[1:]
+              if np.prod(l.output.shape[1:]) == 512}
+  assert len(larger.layers) - 1 == 2 + sum(  # Pooling and head are smaller.
+      isinstance(l, tfremat.RematerializationLayer) for l in larger.layers)
+  listed = remat_model(model, "list_of_layers", layer_names=["conv0", "bn1"])
+  assert sorted(l.layer.name for l in listed.layers
+                if isinstance(l, tfremat.RematerializationLayer)) == [
+                    "bn1", "conv0"]
+
+
+def test_the_result_trains_the_original_weights_and_saves(tmp_path):
+  model, x = _two_inputs()
+  rematerialized = remat_model(model, "full")
+  assert len(rematerialized.weights) == len(model.weights)
+  for a, b in zip(rematerialized.trainable_weights, model.trainable_weights):
+    assert a is b
+  before = model.get_weights()
+  rematerialized.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+  y = np.ones([5, 3], "float32")
+  rematerialized.fit(x, y, epochs=2, verbose=0)
+  assert not np.allclose(model.get_weights()[0], before[0])
+  path = tmp_path / "m.keras"
+  rematerialized.save(path)
+  loaded = keras.models.load_model(path)  # No custom objects.
+  assert_trees_close(loaded.predict(x, verbose=0),
+                     model.predict(x, verbose=0))
+
+
+def test_activations_wrapper_round_trips_through_a_keras_file(tmp_path):
+  model, x = _two_inputs()
+  rematerialized = remat_model(model, "activations")
+  rematerialized.save(tmp_path / "m.keras")
+  loaded = keras.models.load_model(tmp_path / "m.keras")
+  assert any(isinstance(l, RematerializeActivation) for l in loaded.layers)
+  assert_trees_close(loaded.predict(x, verbose=0),
+                     model.predict(x, verbose=0))
+
+
+class _Subclassed(keras.Model):
+
+  def __init__(self):
+    super().__init__()
+    self.dense = keras.layers.Dense(2)
+
+  def call(self, x):
+    return self.dense(x)
+
+
+def test_bad_arguments_fail_before_anything_is_built():
+  model, _ = _resnet()
+  layers_before = len(model.layers)
+  with pytest.raises(TypeError, match="subclassed model"):
+    remat_model(_Subclassed(), "full")
+  with pytest.raises(ValueError, match="mode must be one of"):
+    remat_model(model, "everything")
+  with pytest.raises(ValueError, match=r"no layers named \['conv9'\].*conv0"):
+    remat_model(model, "list_of_layers", layer_names=["conv0", "conv9"])
+  with pytest.raises(ValueError, match="needs layer_names"):
+    remat_model(model, "list_of_layers")
+  with pytest.raises(ValueError, match="output_size_threshold must be"):
+    remat_model(model, "larger_than", output_size_threshold=-1)
+  with pytest.raises(ValueError, match="layer_names is for"):
+    remat_model(model, "full", layer_names=["conv0"])
+  with pytest.raises(ValueError, match="built model"):
+    remat_model(keras.Sequential([keras.layers.Dense(2)]), "full")
+  assert len(model.layers) == layers_before
