@@ -38,6 +38,7 @@ sqrt(n) segments) and the planner at fractions of the measured no-remat peak.
 import csv
 import os
 import platform
+import textwrap
 import time
 
 from absl import app
@@ -385,7 +386,7 @@ def plot_pareto(rows, path, title):
   ax.set_xlim(left=0)
   ax.set_xlabel("peak memory of a training step (MiB)")
   ax.set_ylabel("median step time (ms); bars: 25th-75th percentile")
-  ax.set_title(title, fontsize=10)
+  ax.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=9)
   ax.legend(loc="lower left", fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
