@@ -70,9 +70,12 @@ def custom_training(strategy, wrap):
   return model.get_weights()
 
 
-def fit_training(strategy, wrap):
+def fit_training(strategy, wrap, mode=None):
+  """`model.fit`; with `mode`, the unwrapped model through remat_model."""
   with strategy.scope():
     model = model_fn(wrap)
+    if mode is not None:
+      model = tfremat.remat_model(model, mode)
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
   model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
   return model.get_weights()
@@ -98,6 +101,9 @@ def main(scenario, out):
   if scenario == "mirrored":
     results["fit"] = fit_training(strategy, True)
     results["fit_reference"] = fit_training(one_device, False)
+    for mode in ("full", "activations"):
+      results[f"remat_model_{mode}"] = fit_training(strategy, False, mode)
+      results[f"remat_model_{mode}_reference"] = results["fit_reference"]
   elif strategy.cluster_resolver.task_id != 0:
     return  # Worker 0 reports for both.
   np.savez(out, **{f"{k}/{i}": w for k, ws in results.items()

@@ -46,6 +46,10 @@ def test_mirrored_strategy_custom_step_and_fit(tmp_path):
                  check=True, env=_env(), timeout=600)
   _assert_trained_like_reference(out, "custom")
   _assert_trained_like_reference(out, "fit")
+  # Issue "Rematerialize a whole Keras model in one call": remat_model's
+  # result trains under MirroredStrategy, in both kinds of wrapper.
+  _assert_trained_like_reference(out, "remat_model_full")
+  _assert_trained_like_reference(out, "remat_model_activations")
 
 
 def _free_ports(count):

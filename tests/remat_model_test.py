@@ -40,6 +40,9 @@ def _two_inputs():
       keras.layers.Dense(8, activation="relu", name="da")(a),
       keras.layers.Dense(8, activation="gelu", name="db")(b)])
   h = keras.layers.Dropout(0.5, seed=3)(h)
+  # A plain operation on symbolic tensors, recorded beside the layers; it
+  # is not a layer to wrap.
+  h = h + keras.layers.Dense(16, name="residual")(h)
   model = keras.Model([a, b], keras.layers.Dense(3, name="out")(h))
   return model, [tf.random.stateless_normal([5, 6], seed=[1, 1]),
                  tf.random.stateless_normal([5, 4], seed=[1, 2])]

@@ -77,8 +77,10 @@ def _is_graph_model(layer):
 
 
 def _own_layers(model):
-  return [l for l in model.layers
-          if not isinstance(l, keras.layers.InputLayer)]
+  """The model's layers: not its inputs, nor the plain operations (`h + y`
+  on symbolic tensors) that a functional model records beside them."""
+  return [l for l in model.layers if isinstance(l, keras.layers.Layer) and
+          not isinstance(l, keras.layers.InputLayer)]
 
 
 def _all_layers(model):
@@ -179,7 +181,8 @@ def remat_model(model, mode="full", output_size_threshold=1024,
 def _rematerialized(model, choose, wrapper, recurse):
 
   def clone(layer):
-    if isinstance(layer, keras.layers.InputLayer):
+    if (isinstance(layer, keras.layers.InputLayer) or
+        not isinstance(layer, keras.layers.Layer)):
       return layer
     if choose(layer):
       return wrapper(layer)
