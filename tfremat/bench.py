@@ -494,17 +494,13 @@ def format_table(results):
   return "\n".join(lines)
 
 
-def _flag_names():
-  return {name for name in FLAGS}
-
-
 def normalized_argv(argv):
   """`argv` with every documented spelling made one absl reads.
 
   --budget-fraction (dashes, as in the docs) becomes --budget_fraction, and a
   bare --plot or --csv (no value) takes the flag's default file name.
   """
-  names, out = _flag_names(), [argv[0]]
+  names, out = set(FLAGS), [argv[0]]
   args = list(argv[1:])
   for i, arg in enumerate(args):
     if arg.startswith("--") and "-" in arg[2:].split("=", 1)[0]:

@@ -332,15 +332,13 @@ class Plan:
                      f"{1000 * c.waiting_recompute_seconds:>9.2f}")
     # Measured figures are compared with measured ones, the cost model's with
     # the cost model's, and every line says which it is.
-    rows = []
+    rows, keep = [], self.measured_keep_peak_bytes
     if self.budget_bytes is not None:
       given = ""
-      keep = self.measured_keep_peak_bytes
       if self.budget is not None and self.budget.fraction is not None:
         given = (f"{self.budget.fraction:.0%} of the measured peak of keeping "
                  "everything" + (f" ({mib(keep)})" if keep else ""))
       rows.append(("budget", mib(self.budget_bytes), given))
-    keep = self.measured_keep_peak_bytes
     if self.measured_peak_bytes is not None:
       verdict = ""
       if self.budget_bytes is not None:
