@@ -190,7 +190,7 @@ def test_bad_budgets_fail_before_anything_is_measured(
 def test_checked_plan_shows_progress_without_escape_codes_in_a_log(
     monkeypatch, capsys):
   costs = random_costs(np.random.default_rng(6), 8)
-  monkeypatch.setattr(chain, "measure_peak", lambda layer, x: int(
+  monkeypatch.setattr(chain, "measure_peak", lambda layer, x, calls: int(
       planner.predict(costs, layer.segments)[0]))
   layers = [keras.layers.Identity() for _ in costs]
   budget = 0.5

@@ -187,7 +187,8 @@ def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
   progress = measure.progress_bar(steps + rounds, "measurement", verbose)
 
   def measured_peak(segments):
-    peak = measure_peak(RematSequential(layers, segments), sample_input)
+    peak = measure_peak(RematSequential(layers, segments), sample_input,
+                        calls=CHECK_CALLS)
     if progress is not None:
       progress.add(1)
     return peak
@@ -319,10 +320,19 @@ def measure_layer(layer, x, repeats=5):
   return cost, y
 
 
-def measure_peak(layer, x):
+# A plan is accepted on the largest peak of this many calls of its step. One
+# plan's peak varies widely from call to call: on the tests' 16-block MLP,
+# 22.1-27.6 MiB over 30 calls. A largest-of-5 that the planner accepted
+# (24.1 MiB) was then exceeded by 9% by another largest-of-5 (29.2 MiB
+# against a 26.7 MiB budget, in CI): the 5% allowance covers a later
+# measurement only if the planner saw nearly the whole spread.
+CHECK_CALLS = 3 * measure.PEAK_CALLS
+
+
+def measure_peak(layer, x, calls=measure.PEAK_CALLS):
   """Measured peak bytes of one training step (forward + backward) of
-  `layer` on `x`, the quantity a budget bounds."""
-  return measure.peak_bytes(training_step(layer), x)
+  `layer` on `x`, the quantity a budget bounds: the largest of `calls`."""
+  return measure.peak_bytes(training_step(layer), x, calls=calls)
 
 
 def measure_chain(layers, sample_input, repeats=5, progress=None):
