@@ -19,6 +19,21 @@ import pytest  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 from tfremat import planner  # pylint: disable=g-import-not-at-top
+from tfremat import policies  # pylint: disable=g-import-not-at-top
+
+# TFREMAT_TEST_POLICY=dots_saveable pytest tests/remat_test.py runs every
+# rematerialized call that names no policy under that save policy: the whole
+# parity suite, under each built-in policy, is how CI checks them.
+TEST_POLICY = os.environ.get("TFREMAT_TEST_POLICY") or None
+
+
+@pytest.fixture(autouse=True)
+def _test_policy():
+  if TEST_POLICY is None:
+    yield
+  else:
+    with policies.scope(TEST_POLICY):
+      yield
 
 
 def _devices():

@@ -73,7 +73,10 @@ def test_each_idea_sits_at_its_level():
   graph = _imports()
   assert graph["measure"] == set()  # The bottom: used by all who measure.
   assert graph["planner"] <= {"measure"}  # Pure: computes, never measures.
-  assert graph["layers"] <= {"hyperparams", "remat"}  # The wrapper alone.
+  assert graph["policies"] == set()  # Pure functions of an op's description.
+  assert graph["selective"] <= {"policies"}  # Keeping and replacing tensors.
+  assert "selective" in graph["remat"]
+  assert graph["layers"] <= {"hyperparams", "policies", "remat"}  # The wrapper.
   assert "chain" not in graph["layers"] | graph["planner"]
   top = {"bench", "models"}
   library = set(graph) - top - {"__init__"}

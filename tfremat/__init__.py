@@ -59,13 +59,16 @@ from tfremat import chain
 from tfremat import hyperparams
 from tfremat import measure
 from tfremat import planner
+from tfremat import policies
 from tfremat.layers import RematerializationLayer
 from tfremat.chain import RematSequential
 from tfremat.chain import remat_sequential
 from tfremat.remat import RematerializeFn
 from tfremat.remat import RerunMismatchError
 from tfremat.remat import rematerialize
+from tfremat.policies import checkpoint_name
 from tfremat.remat_model import remat_model
+from tfremat.residuals import saved_residuals
 from tfremat.state import UnreplayableOpError
 from tfremat.step_seed import DeterministicDropout
 from tfremat.step_seed import GenerateStepSeedPair

@@ -12,6 +12,7 @@ layer's: weights, output shapes, dtypes, masks, losses.
 import keras
 
 from tfremat import hyperparams
+from tfremat import policies
 from tfremat import remat
 
 
@@ -39,12 +40,20 @@ class RematerializationLayer(keras.layers.Wrapper):
   Args:
     layer: the Keras layer to rematerialize: a built-in layer, a custom
       layer, a `Sequential` or a functional model.
+    policy: what to keep from the forward pass instead of recomputing it
+      (see `tfremat.policies`): a policy function, a built-in policy's name,
+      or None to keep nothing but the inputs (or follow an enclosing
+      `tfremat.policies.scope`). Saved in the layer's config.
     **kwargs: base `keras.layers.Layer` arguments (`name`, `trainable`, ...).
       `dtype` defaults to the wrapped layer's dtype policy, so that inputs are
       cast exactly as the wrapped layer casts them.
   """
 
-  def __init__(self, layer, **kwargs):
+  def __init__(self, layer, policy=None, **kwargs):
+    if isinstance(policy, dict):
+      policy = policies.deserialize(policy)
+    elif policy is not None:
+      policies.get(policy)  # A bad policy is refused before anything else.
     if not isinstance(layer, keras.layers.Layer):
       raise TypeError(
           "RematerializationLayer wraps a Keras layer (keras.layers.Layer, "
@@ -59,6 +68,7 @@ class RematerializationLayer(keras.layers.Wrapper):
     kwargs.setdefault("dtype", _unquantized(layer.dtype_policy))
     kwargs.setdefault("name", f"remat_{layer.name}")
     super().__init__(layer, **kwargs)
+    self.policy = policy
     self.supports_masking = layer.supports_masking
     # Keras binds a call's arguments to `call`'s signature and refuses a
     # nested argument that mixes tensors and Python values, which the
@@ -76,6 +86,8 @@ class RematerializationLayer(keras.layers.Wrapper):
     """Lingvo-style Params: `body` is the Params of the layer to wrap."""
     p = hyperparams.InstantiableParams(cls)
     p.Define("body", None, "Params of the layer to rematerialize.")
+    p.Define("policy", None, "The save policy (a tfremat.policies name), or "
+             "None to recompute everything.")
     return p
 
   @classmethod
@@ -84,7 +96,14 @@ class RematerializationLayer(keras.layers.Wrapper):
       raise ValueError(
           f"RematerializationLayer {params.name}: body must be instantiable "
           f"Params (e.g. from a builder helper); got {params.body!r}.")
-    return cls(params.body.Instantiate(), name=params.name)
+    return cls(params.body.Instantiate(), name=params.name,
+               policy=params.policy)
+
+  def get_config(self):
+    config = super().get_config()
+    if self.policy is not None:
+      config["policy"] = policies.serialize(self.policy)
+    return config
 
   @classmethod
   def from_config(cls, config, custom_objects=None):
@@ -126,7 +145,8 @@ class RematerializationLayer(keras.layers.Wrapper):
     # Tensors anywhere in the arguments are differentiated; Python values
     # pass through as they are.
     outputs, losses = remat.rematerialize_with_losses(
-        fn, (inputs, args, kwargs), on_losses=lambda losses: None)
+        fn, (inputs, args, kwargs), on_losses=lambda losses: None,
+        policy=self.policy)
     # Losses the wrapped layer added (activity regularizers) come back as
     # outputs of the rematerialized call, so their gradients flow; they are
     # this layer's now.

@@ -35,6 +35,7 @@ those without rematerialization. "As the forward pass ran it" means:
   the arguments.
 """
 
+import contextlib
 import copy
 import functools
 
@@ -49,6 +50,8 @@ from tensorflow.python.eager import record
 from tensorflow.python.framework import op_callbacks
 from tensorflow.python.ops import control_flow_util
 
+from tfremat import policies
+from tfremat import selective
 from tfremat import state
 from tfremat import step_seed
 
@@ -61,6 +64,11 @@ DETERMINISM_CHECKS = ("default", "values", "none")
 autograph_config.CONVERSION_RULES = (
     (autograph_config.DoNotConvert("tfremat"),) +
     autograph_config.CONVERSION_RULES)
+
+
+# Lists that every rematerialized call made while one is open is appended to
+# (`saved_residuals` reads what a traced call kept).
+_observers = []
 
 
 class RerunMismatchError(ValueError):
@@ -165,7 +173,7 @@ def _mark_connected(y, index, connected):
   return mark(y)
 
 
-def RematerializeFn(fn, *xs, determinism_check="default"):
+def RematerializeFn(fn, *xs, determinism_check="default", policy=None):
   """Returns `fn(*xs)`, recomputing its activations in the backward pass.
 
   Args:
@@ -186,6 +194,12 @@ def RematerializeFn(fn, *xs, determinism_check="default"):
       different structure, dtype or shape; "values" also compares the values
       (it keeps the outputs for the backward pass, so it costs memory; not
       under XLA); "none" checks nothing.
+    policy: what to keep from the forward pass instead of recomputing it: a
+      function from `tfremat.policies` (e.g. `policies.dots_saveable`), a
+      built-in policy's name ("dots_saveable"), or your own function of a
+      `tfremat.policies.Op`. None keeps nothing but the inputs (or follows
+      an enclosing `tfremat.policies.scope`). Policies act
+      in graphs (`tf.function`, XLA); an eager call recomputes everything.
 
   Returns:
     What `fn(*xs)` returns.
@@ -196,7 +210,7 @@ def RematerializeFn(fn, *xs, determinism_check="default"):
         f"{type(fn).__name__}. Usage: RematerializeFn(fn, *inputs).")
   # The default on_losses refuses losses, so none come back here.
   outputs, _ = rematerialize_with_losses(
-      fn, xs, determinism_check=determinism_check)
+      fn, xs, determinism_check=determinism_check, policy=policy)
   return outputs
 
 
@@ -210,15 +224,17 @@ def _refuse_losses(losses):
 
 
 def rematerialize_with_losses(fn, xs, on_losses=_refuse_losses,
-                              determinism_check="default"):
+                              determinism_check="default", policy=None):
   """`RematerializeFn(fn, *xs)` that also returns the losses `fn` added.
 
   Returns `(outputs, losses)`, where `losses` pairs each loss tensor that `fn`
   passed to `add_loss` in the forward pass with its differentiable
   counterpart: add the latter to the training loss so that its gradient
   reaches the variables. `on_losses(original_losses)` is called before any
-  variable update is applied and may raise to refuse them.
+  variable update is applied and may raise to refuse them. `policy` is
+  `RematerializeFn`'s; None takes the innermost `policies.scope`'s.
   """
+  policy = policies.get(policy if policy is not None else policies.current())
   if determinism_check not in DETERMINISM_CHECKS:
     raise ValueError(
         f"determinism_check must be one of {DETERMINISM_CHECKS}, got "
@@ -230,20 +246,25 @@ def rematerialize_with_losses(fn, xs, on_losses=_refuse_losses,
         "determinism_check='values' cannot run under XLA (jit_compile), which "
         "drops assertions. Check values with the same step run eagerly or in "
         "a tf.function without jit_compile.")
-  call = _Call(fn, xs, determinism_check)
+  call = _Call(fn, xs, determinism_check, policy)
+  for observer in _observers:
+    observer.append(call)
   return call.forward(on_losses)
 
 
 class _Call:
   """One rematerialized call: its forward pass, and the rerun it attaches."""
 
-  def __init__(self, fn, xs, determinism_check):
+  def __init__(self, fn, xs, determinism_check, policy):
     self.context = _ForwardContext()
     self.fn = self.context.convert(fn)
     self.xs = xs
     self.leaves = tf.nest.flatten(xs)
     self.eager = tf.executing_eagerly()
     self.determinism_check = determinism_check
+    # Eager ops run as they are called: nothing could be skipped.
+    self.policy = None if self.eager or policies.is_nothing(policy) else policy
+    self.saver = None
 
   def call(self, leaves):
     return self.fn(*tf.nest.pack_sequence_as(self.xs, leaves))
@@ -306,8 +327,15 @@ class _Call:
       with record.stop_recording(), self.context:
         with record.VariableWatcher() as watcher:
           with state.RecordingScope() as scope, state.ForwardOps(inputs) as ops:
-            outputs = self.call(self.leaves)
+            with self._saving() as saver:
+              outputs = self.call(self.leaves)
       if not scope.created_variables:
+        # A tape the function opens itself differentiates what the forward
+        # pass holds (variables) where the rerun holds replayed values: the
+        # two build different gradient ops, which kept tensors cannot be
+        # matched across, so such a function is recomputed fully.
+        self.saver = (saver if saver is not None and saver.saved and
+                      not ops.inner_tape_used else None)
         return (outputs, state.ForwardState(scope), ops,
                 watcher.watched_variables())
       step_seed.ResetStepSeed(self.seed)
@@ -315,6 +343,13 @@ class _Call:
         "RematerializeFn: the function keeps creating variables on every "
         "call. Create layers and variables once, outside the function, and "
         "call them inside it.")
+
+  def _saving(self):
+    """The policy's `selective.ForwardSaver`, or a null context."""
+    if self.policy is None:
+      return contextlib.nullcontext()
+    return selective.ForwardSaver(
+        self.policy, [x for x in self.leaves if isinstance(x, tf.Tensor)])
 
   def _sources(self, recorded, ops, watched):
     """Everything the rerun reads whose gradient may be asked for.
@@ -441,9 +476,15 @@ class _Call:
         # loop's, say) captures the original tensor anew.
         targets.append(_in_graph(_capture_origin(s.tensor), graph))
     reads = [(s.variable, s.tensor) for s in self.sources if s.kind == "raw"]
-    with _forward_reads(reads):
-      outputs, losses = self._rerun(leaves, values, gated(self.seed),
-                                    gated(self.global_step))
+    seed, global_step = gated(self.seed), gated(self.global_step)
+    replacer = (selective.RerunReplacer(
+        self.saver, RerunMismatchError, gated,
+        [x for x in leaves if isinstance(x, tf.Tensor)])
+                if self.saver is not None else contextlib.nullcontext())
+    with _forward_reads(reads), replacer:
+      outputs, losses = self._rerun(leaves, values, seed, global_step)
+    if self.saver is not None:
+      replacer.check()
     ys, dys = self._checked_targets(outputs, losses, dys)
     return tf.gradients(ys, targets, grad_ys=dys,
                         unconnected_gradients=tf.UnconnectedGradients.NONE)
@@ -592,7 +633,7 @@ def _in_graph(tensor, graph):
   return graph.capture(tensor) if hasattr(graph, "capture") else tensor
 
 
-def rematerialize(fn):
+def rematerialize(fn=None, *, policy=None):
   """Decorator form of `RematerializeFn`.
 
   Arguments are passed as they are: tensors, positional or keyword, are
@@ -605,14 +646,22 @@ def rematerialize(fn):
     def block(x, training=False):
       return dense2(dropout(dense1(x), training=training))
 
+    @tfremat.rematerialize(policy=tfremat.policies.dots_saveable)
+    def cheaper_block(x):
+      return dense2(tf.nn.gelu(dense1(x)))
+
     y = block(x, training=True)
   """
+  if fn is None:
+    policies.get(policy)  # A bad policy is refused here, not at the call.
+    return functools.partial(rematerialize, policy=policy)
   if not callable(fn):
     raise TypeError(
         f"rematerialize expects a callable, got {type(fn).__name__}.")
 
   @functools.wraps(fn)
   def wrapper(*args, **kwargs):
-    return RematerializeFn(lambda a, k: fn(*a, **k), args, kwargs)
+    return RematerializeFn(lambda a, k: fn(*a, **k), args, kwargs,
+                           policy=policy)
 
   return wrapper

@@ -148,6 +148,7 @@ class ForwardOps:
     self._undoing = False
     self._inner_tapes = 0
     self._hidden = []
+    self.inner_tape_used = False
 
   def external_tensors(self):
     """Tensors the block read but did not receive or compute, in use order."""
@@ -193,6 +194,7 @@ class ForwardOps:
 
   def inner_tape_entered(self):
     """A tape opened inside the block: let it, and only it, record."""
+    self.inner_tape_used = True
     if self._inner_tapes == 0:
       hidden = [t for t in _thread_list("tapes") if t._recording]  # pylint: disable=protected-access
       for t in hidden:

@@ -1,0 +1,362 @@
+"""Keeping the tensors a save policy chooses, and using them in the rerun.
+
+While a rematerialized function is traced for its forward pass, an op
+callback (`ForwardSaver`) shows each op added to the forward graph to the
+policy and keeps the outputs of those it chooses. While the backward pass's
+rerun is traced, another (`RerunReplacer`) meets the same ops again, in the
+same order, and replaces each chosen op's outputs with the kept tensors. The
+replacement carries the op's own registered gradient, computed from the
+rerun's inputs to the op and the kept outputs; nothing reads the rerun's op
+any more, so the graph runtime (or XLA) prunes it and, with it, everything
+upstream that only it needed.
+
+Ops are matched by kind and order: the k-th op of a kind in the rerun is the
+k-th of that kind in the forward pass, where a kind is an op type, or a name
+given with `policies.checkpoint_name`. The rerun is checked to have made the
+same sequence of each kept kind (types, shapes and dtypes), and a rerun that
+did not raises `RerunMismatchError`, at trace time.
+
+Only ops of the function's own graph that depend on its inputs are
+candidates: ops inside a `tf.cond` branch, a loop body or a nested function
+are recomputed, since their tensors do not exist outside that graph. So are
+ops computed from weights, seeds or constants alone, ops whose outputs are
+resources or variants, ops reading a resource (variable reads), stateful
+ops, control flow and function calls, ops carrying a custom gradient, and
+plain identities. A function that opens a gradient tape of its own keeps
+nothing, and a rerun that a gradient tape records (for a second-order
+gradient) replaces nothing: those tapes must see the ops themselves.
+"""
+
+from tensorflow.python.eager import record
+from tensorflow.python.framework import op_callbacks
+from tensorflow.python.framework import ops
+from tensorflow.python.ops import array_ops
+import tensorflow as tf
+
+from tfremat import policies
+
+# Never kept: they compute nothing worth keeping, or their gradient is not
+# their type's registered one, or their meaning depends on where they run.
+_NEVER = frozenset([
+    "Placeholder", "Const", "NoOp", "Identity", "IdentityN", "StopGradient",
+    "PreventGradient", "If", "StatelessIf", "While", "StatelessWhile", "Case",
+    "StatelessCase", "PartitionedCall", "StatefulPartitionedCall",
+    "SymbolicGradient", "ReadVariableOp", "VarHandleOp", "_Retval", "_Arg",
+    "Assert", "Print", "PrintV2", "CheckNumerics", "EnsureShape",
+])
+
+_NOT_DIFFERENTIABLE = object()
+
+
+def _gradient_of(op_type):
+  """The registered gradient function of `op_type`, `_NOT_DIFFERENTIABLE`,
+  or None when there is none (the op is then never kept)."""
+  try:
+    fn = ops.gradient_registry.lookup(op_type)
+  except LookupError:
+    return None
+  return _NOT_DIFFERENTIABLE if fn is None else fn
+
+
+def _op_of(outputs):
+  for t in outputs or ():
+    if hasattr(t, "op"):
+      return t.op
+  return None
+
+
+def _kind(op_type, op):
+  """The key ops are matched by: a checkpoint name, or the op type."""
+  if op_type == "Identity":
+    name = policies.pending_checkpoint_name()
+    return ("checkpoint", name) if name else None
+  return op_type
+
+
+def _candidate(op_type, op):
+  """Whether `op` may be kept at all (before asking the policy)."""
+  if op is None or not op.outputs:
+    return False
+  if op_type in _NEVER and op_type != "Identity":
+    return False
+  if any(t.dtype in (tf.resource, tf.variant) for t in op.outputs):
+    return False
+  if any(t.dtype in (tf.resource, tf.variant) for t in op.inputs):
+    return False
+  try:
+    if op.op_def.is_stateful:
+      return False
+  except (AttributeError, ValueError):
+    return False
+  try:
+    op.get_attr("_gradient_op_type")
+    return False  # Under a gradient_override_map: a custom gradient.
+  except ValueError:
+    pass
+  return _gradient_of(op_type) is not None
+
+
+def _attrs(op):
+  attrs = {}
+  for name in ("equation", "transpose_a", "transpose_b", "adj_x", "adj_y"):
+    try:
+      attrs[name] = op.get_attr(name)
+    except ValueError:
+      pass
+  if isinstance(attrs.get("equation"), bytes):
+    attrs["equation"] = attrs["equation"].decode()
+  return attrs
+
+
+def describe(op, checkpoint_name=None):
+  """The `policies.Op` a policy sees for a graph op."""
+  return policies.Op(
+      type=op.type, name=op.name,
+      input_shapes=tuple(t.shape for t in op.inputs),
+      output_shapes=tuple(t.shape for t in op.outputs),
+      input_dtypes=tuple(t.dtype for t in op.inputs),
+      output_dtypes=tuple(t.dtype for t in op.outputs),
+      checkpoint_name=checkpoint_name, attrs=_attrs(op))
+
+
+def _signature(op):
+  return tuple((tuple(t.shape.as_list()) if t.shape.rank is not None else None,
+                t.dtype) for t in op.outputs)
+
+
+class Saved:
+  """One kept op: its kind, index among its kind, description, outputs."""
+
+  def __init__(self, kind, index, info, outputs, signature):
+    self.kind = kind
+    self.index = index
+    self.info = info
+    self.outputs = outputs
+    self.signature = signature
+
+
+def _is_random_draw(op_type):
+  """Whether the op draws random numbers from a seed (stateless)."""
+  return op_type.startswith("Stateless") and not op_type.startswith(
+      ("StatelessRandomGet", "StatelessIf", "StatelessWhile", "StatelessCase"))
+
+
+class _DataTracker:
+  """Follows which tensors of the graph depend on the function's inputs or
+  on its random draws (dropout masks).
+
+  Only ops reading those are kept. The others compute from weights, seeds,
+  step counters or constants alone: cheap to recompute, and the two passes
+  build them differently (the forward pass reads variables where the rerun
+  gets their replayed values), so they could not be matched. Some must also
+  stay visible to XLA as compile-time constants (a loop's trip count, say),
+  which a kept tensor gated on the gradient is not.
+  """
+
+  def __init__(self, inputs=()):
+    self._data = {id(t) for t in inputs}
+
+  def depends_on_data(self, op_type, inputs, outputs):
+    """Whether the op just made reads the inputs or a random draw; notes its
+    outputs if so. A draw itself is noted, not kept."""
+    if _is_random_draw(op_type):
+      self.mark(outputs)
+      return False
+    if any(id(t) in self._data for t in inputs):
+      self.mark(outputs)
+      return True
+    return False
+
+  def mark(self, tensors):
+    self._data.update(id(t) for t in tensors or ())
+
+
+class ForwardSaver(_DataTracker):
+  """Keeps the outputs of the forward pass's ops that `policy` chooses.
+
+  Used around the forward pass, in a graph (not in eager mode). After it,
+  `saved` maps (kind, index) to a `Saved`, and `signatures` holds every
+  candidate op's signature per kind, in order, for the rerun's check.
+  """
+
+  def __init__(self, policy, inputs):
+    super().__init__(inputs)
+    self.policy = policies.get(policy)
+    self.unsave_named_inputs = getattr(self.policy, "unsave_named_inputs",
+                                       False)
+    self.graph = None
+    self.saved = {}
+    self.signatures = {}
+    self._index_of_op = {}
+
+  def _callback(self, op_type, inputs, attrs, outputs, op_name=None,
+                graph=None):
+    del attrs, op_name
+    if graph is None or graph is not self.graph:
+      return outputs
+    if isinstance(op_type, bytes):
+      op_type = op_type.decode()
+    op = _op_of(outputs)
+    if not self.depends_on_data(op_type, inputs, outputs):
+      return outputs
+    kind = _kind(op_type, op)
+    if kind is None or not _candidate(op_type, op):
+      return outputs
+    index = len(self.signatures.setdefault(kind, []))
+    signature = _signature(op)
+    self.signatures[kind].append(signature)
+    self._index_of_op[id(op)] = (kind, index)
+    name = kind[1] if isinstance(kind, tuple) else None
+    info = describe(op, name)
+    keep = self.policy(info)
+    if not isinstance(keep, (bool, type(None))) and not hasattr(
+        keep, "__bool__"):
+      raise TypeError(
+          f"A save policy must return True or False; "
+          f"{policies.name_of(self.policy)} returned {keep!r} for {info}.")
+    if keep:
+      self.saved[(kind, index)] = Saved(kind, index, info, list(op.outputs),
+                                        signature)
+    if name is not None and not keep and self.unsave_named_inputs:
+      # The named tensor is recomputed, so the op computing it is too.
+      producer = self._index_of_op.get(id(inputs[0].op))
+      if producer is not None:
+        self.saved.pop(producer, None)
+    return outputs
+
+  def __enter__(self):
+    self.graph = tf.compat.v1.get_default_graph()
+    op_callbacks.add_op_callback(self._callback)
+    return self
+
+  def __exit__(self, *args):
+    op_callbacks.remove_op_callback(self._callback)
+    self._index_of_op = {}
+
+  def saved_bytes(self):
+    """The bytes kept, where the shapes are known."""
+    return sum(s.info.output_bytes or 0 for s in self.saved.values())
+
+
+class _OpView:
+  """An op as its registered gradient function sees it, with the forward
+  pass's kept outputs in place of its own (a Relu's or Softmax's gradient
+  reads its outputs)."""
+
+  def __init__(self, op, outputs):
+    self._op = op
+    self.outputs = list(outputs)
+
+  def __getattr__(self, name):
+    return getattr(self._op, name)
+
+
+_GRADIENT = "TfrematKeptOutputs"
+
+
+@ops.RegisterGradient(_GRADIENT)
+def _kept_outputs_gradient(identity, *grads):
+  """The gradient of a replaced op: its registered gradient, at the rerun's
+  inputs and the kept outputs."""
+  op, kept, fn = identity.graph._tfremat_kept[identity.name]  # pylint: disable=protected-access
+  n = len(kept)
+  input_grads = fn(_OpView(op, kept), *grads[:n])
+  if not isinstance(input_grads, (list, tuple)):
+    input_grads = [input_grads]
+  return [None] * n + list(input_grads)
+
+
+def _in_graph(tensor, graph):
+  if tf.is_symbolic_tensor(tensor) and tensor.graph is graph:
+    return tensor
+  return graph.capture(tensor) if hasattr(graph, "capture") else tensor
+
+
+class RerunReplacer(_DataTracker):
+  """Replaces the outputs of the rerun's ops that `saver` kept."""
+
+  def __init__(self, saver, error, gate, inputs):
+    super().__init__(inputs)
+    self.saver = saver
+    self.error = error  # The exception class for a mismatch.
+    # Kept tensors are gated like the rerun's inputs: ops computing from
+    # them alone would otherwise be free to run in the forward pass and
+    # keep their outputs alive until the backward pass.
+    self.gate = gate
+    self.graph = None
+    self.signatures = {}
+    self.replaced = 0
+    self.inactive = False
+
+  def _callback(self, op_type, inputs, attrs, outputs, op_name=None,
+                graph=None):
+    del attrs, op_name
+    if graph is None or graph is not self.graph:
+      return outputs
+    if isinstance(op_type, bytes):
+      op_type = op_type.decode()
+    op = _op_of(outputs)
+    if self.inactive or not self.depends_on_data(op_type, inputs, outputs):
+      return outputs
+    if record.should_record_backprop(list(inputs)):
+      # A gradient tape records the rerun (a second-order gradient): it
+      # must differentiate through the ops themselves, so nothing is
+      # replaced; the kept tensors go unused.
+      self.inactive = True
+      return outputs
+    kind = _kind(op_type, op)
+    if kind is None or not _candidate(op_type, op):
+      return outputs
+    index = len(self.signatures.setdefault(kind, []))
+    signature = _signature(op)
+    self.signatures[kind].append(signature)
+    saved = self.saver.saved.get((kind, index))
+    if saved is None:
+      return outputs
+    if saved.signature != signature:
+      self._mismatch(kind, f"its op {index} of kind {kind!r} has outputs "
+                     f"{signature} where the forward pass's had "
+                     f"{saved.signature}")
+    self.replaced += 1
+    kept = [self.gate(_in_graph(t, graph)) for t in saved.outputs]
+    fn = _gradient_of(op_type)
+    if fn is _NOT_DIFFERENTIABLE or fn is None:
+      self.mark(kept)
+      return kept
+    if not hasattr(graph, "_tfremat_kept"):
+      graph._tfremat_kept = {}  # pylint: disable=protected-access
+    with graph.gradient_override_map({"IdentityN": _GRADIENT}):
+      identity = array_ops.identity_n(kept + list(op.inputs))
+    graph._tfremat_kept[identity[0].op.name] = (op, kept, fn)  # pylint: disable=protected-access
+    self.mark(identity[:len(kept)])
+    return identity[:len(kept)]
+
+  def _mismatch(self, kind, what):
+    raise self.error(
+        f"The backward-pass rerun of a rematerialized function under the "
+        f"save policy {policies.name_of(self.saver.policy)} did not make the "
+        f"ops its forward pass made: {what}. Kept tensors are matched to the "
+        "rerun's ops by kind and order, so the function must build the same "
+        "ops every time it runs (no Python-side state deciding what it "
+        "builds). Run it without a policy, or report this with the function.")
+
+  def check(self):
+    """Raises unless the rerun made the forward pass's kept kinds alike."""
+    if self.inactive:
+      return
+    kinds = {s.kind for s in self.saver.saved.values()}
+    for kind in kinds:
+      forward = self.saver.signatures.get(kind, [])
+      rerun = self.signatures.get(kind, [])
+      if forward != rerun:
+        self._mismatch(kind, f"{len(rerun)} op(s) of kind {kind!r} where the "
+                       f"forward pass made {len(forward)}, or with other "
+                       "shapes")
+
+  def __enter__(self):
+    self.graph = tf.compat.v1.get_default_graph()
+    op_callbacks.add_op_callback(self._callback)
+    return self
+
+  def __exit__(self, *args):
+    op_callbacks.remove_op_callback(self._callback)
