@@ -11,16 +11,33 @@ from tfremat.planner import Segment
 from conftest import random_costs
 
 
-def _all_plans(n, start=0):
-  """Every plan: kept layers and rematerialized runs of any length."""
+def _all_plans(n, start=0, policies=()):
+  """Every plan: kept layers and rematerialized runs of any length, fully
+  or under each policy."""
   if start == n:
     yield []
     return
-  for rest in _all_plans(n, start + 1):
+  for rest in _all_plans(n, start + 1, policies):
     yield [Segment(start, start + 1, False)] + rest
   for stop in range(start + 1, n + 1):
-    for rest in _all_plans(n, stop):
-      yield [Segment(start, stop, True)] + rest
+    for rest in _all_plans(n, stop, policies):
+      for policy in (None,) + tuple(policies):
+        yield [Segment(start, stop, True, policy)] + rest
+
+
+def _with_policies(rng, costs, names):
+  """`costs` with random per-policy kept bytes and recompute times: a policy
+  keeps part of what the layer saves and recomputes part of its forward."""
+  out = []
+  for c in costs:
+    policy_costs = {}
+    for name in names:
+      share = float(rng.uniform(0, 1))
+      policy_costs[name] = [int(share * (c.saved_bytes + c.output_bytes)),
+                            float((1 - share) * rng.uniform(0.5, 1.2) *
+                                  c.forward_seconds)]
+    out.append(dataclasses.replace(c, policy_costs=policy_costs))
+  return out
 
 @pytest.mark.parametrize("seed", range(8))
 def test_plan_is_the_fastest_feasible_choice_by_exhaustive_search(seed):
@@ -38,6 +55,54 @@ def test_plan_is_the_fastest_feasible_choice_by_exhaustive_search(seed):
     assert chosen.seconds == pytest.approx(best, rel=1e-12)
   assert planner.smallest_budget(costs) == low
   assert planner.MEASUREMENT_SLACK == 1.05  # The issue's allowance.
+
+@pytest.mark.parametrize("seed", range(6))
+def test_policy_plans_are_the_fastest_by_exhaustive_search(seed):
+  # Per segment: keep, rematerialize fully, or under each policy.
+  rng = np.random.default_rng(100 + seed)
+  n = int(rng.integers(2, 6))
+  names = ("dots_saveable", "masks_saveable")
+  costs = _with_policies(rng, random_costs(rng, n), names)
+  assert planner.segment_policies(costs) == names
+  plans = list(_all_plans(n, policies=names))
+  predictions = [planner.predict(costs, p) for p in plans]
+  low = min(peak for peak, _ in predictions)
+  high = max(peak for peak, _ in predictions)
+  used = set()
+  for fraction in (0.0, 0.1, 0.3, 0.5, 0.8, 1.0):
+    budget = int(low + fraction * (high - low))
+    best = min(t for peak, t in predictions if peak <= budget)
+    chosen = planner.plan(costs, budget)
+    assert chosen.peak_bytes <= budget
+    assert chosen.seconds == pytest.approx(best, rel=1e-12)
+    used |= {s.policy for s in chosen.segments if s.remat}
+  assert planner.smallest_budget(costs) == low
+  # Without policies measured, plans are as before.
+  plain = [dataclasses.replace(c, policy_costs={}) for c in costs]
+  assert planner.segment_policies(plain) == ()
+
+
+def test_policy_segments_cost_what_the_model_says():
+  c = planner.LayerCost("l", forward_seconds=1.0, backward_seconds=2.0,
+                        input_bytes=10, output_bytes=10, saved_bytes=100,
+                        forward_transient_bytes=0, backward_transient_bytes=0,
+                        weight_grad_bytes=0,
+                        policy_costs={"dots_saveable": [40, 0.25]})
+  # The first layer kept, rematerialized, or rematerialized under the
+  # policy; the second kept: its backward pass runs while the first's
+  # retained bytes are held.
+  keep, full, dots = (
+      planner.predict([c, c], [first, Segment(1, 2, False)])
+      for first in (Segment(0, 1, False), Segment(0, 1, True),
+                    Segment(0, 1, True, "dots_saveable")))
+  assert (keep[1], full[1], dots[1]) == (6.0, 7.0, 6.25)
+  assert full[0] < dots[0] < keep[0]
+  assert dots[0] - full[0] == 40  # What the policy keeps.
+  plan = planner.Plan([c], [Segment(0, 1, True, "dots_saveable")])
+  assert "remat 0: dots" in str(plan)
+  again = planner.Plan.from_config(plan.get_config())
+  assert again.segments == plan.segments and str(again) == str(plan)
+
 
 def test_impossible_budget_names_the_smallest_that_works():
   costs = random_costs(np.random.default_rng(3), 6)

@@ -19,11 +19,14 @@ what is kept for the backward pass, not the layer's weights, outputs or
 gradients.
 """
 
+import dataclasses
 import inspect
 
 from tfremat import builder_layers
 from tfremat import hyperparams
+from tfremat import chain as chain_lib
 from tfremat import planner
+from tfremat import policies as policies_lib
 from tfremat.chain import checked_plan
 from tfremat.layers import RematerializationLayer
 
@@ -87,12 +90,15 @@ class Base:
     """Returns the input at `index`."""
     return self._Layer(builder_layers.ArgIndexLayer, name, index=index)
 
-  def _Rematerialize(self, name, body):
-    """Recomputes `body`'s activations in the backward pass."""
-    return RematerializationLayer.Params().Set(name=name, body=body)
+  def _Rematerialize(self, name, body, policy=None):
+    """Recomputes `body`'s activations in the backward pass, keeping what
+    the save policy `policy` (a `tfremat.policies` name) chooses."""
+    return RematerializationLayer.Params().Set(name=name, body=body,
+                                               policy=policy)
 
   def _RematerializeSeq(self, name, segments, *subs, budget=None,
-                        sample_input=None):
+                        sample_input=None, policy=None,
+                        policies=policies_lib.PLANNED):
     """_Seq(*subs), split into segments that are rematerialized or kept.
 
     Args:
@@ -105,24 +111,35 @@ class Base:
         fits. Bytes, "200MiB", or a fraction of the keep-everything peak
         (0.5, "50%"), as in `tfremat.remat_sequential`.
       sample_input: a batch to measure on, with `budget`.
+      policy: with `segments`, the save policy of every rematerialized
+        segment.
+      policies: with `budget`, the built-in save policies the planner may
+        choose per segment, as in `tfremat.remat_sequential`.
     """
     if (segments is None) == (budget is None):
       raise ValueError(
           "_RematerializeSeq: give either segments (an int or \"sqrt\") or "
           "budget with sample_input, not both or neither.")
     if segments is not None:
-      chosen = planner.uniform_segments(len(subs), segments)
+      chosen = [dataclasses.replace(s, policy=policy)
+                for s in planner.uniform_segments(len(subs), segments)]
+      policies_lib.get(policy)
     else:
+      if policy is not None:
+        raise ValueError(
+            "_RematerializeSeq: with a budget the planner chooses each "
+            "segment's policy; name the choices with policies=[...].")
+      policies = chain_lib.planned_policies(policies)
       budget = planner.Budget.parse(budget)  # Before instantiating anything.
       if sample_input is None:
         raise ValueError("_RematerializeSeq: budget needs sample_input, a "
                          "batch to measure the sub-layers on.")
       chosen = checked_plan([p.Instantiate() for p in subs], budget,
-                            sample_input).segments
+                            sample_input, policies=policies).segments
     parts = []
     for i, seg in enumerate(chosen):
       seq = self._Seq(f"{name}_seg{i}", *subs[seg.start:seg.stop])
-      parts.append(self._Rematerialize(f"{name}_remat{i}", seq)
+      parts.append(self._Rematerialize(f"{name}_remat{i}", seq, seg.policy)
                    if seg.remat else seq)
     return self._Seq(name, *parts)
 

@@ -19,6 +19,8 @@ import tensorflow as tf
 
 from tfremat import measure
 from tfremat import planner
+from tfremat import policies as policies_lib
+from tfremat import residuals
 from tfremat.layers import RematerializationLayer
 
 
@@ -33,27 +35,39 @@ class RematSequential(keras.layers.Layer):
   Args:
     layers: the chain's Keras layers, each taking the previous one's output,
       or a `keras.Sequential` of them.
-    segments: `(start, stop, remat)` triples covering the chain in order.
+    segments: `(start, stop, remat)` triples covering the chain in order,
+      or `(start, stop, remat, policy)` with a built-in save policy's name
+      (`tfremat.policies`) for a rematerialized segment.
     plan: the planner's `Plan` that chose the segments, if it did; kept in
       the layer's config, so `.plan` prints the same after a `.keras` file
       is saved and loaded.
+    policy: the save policy of rematerialized segments that name none.
   """
 
-  def __init__(self, layers, segments, plan=None, **kwargs):
+  def __init__(self, layers, segments, plan=None, policy=None, **kwargs):
     layers = _chain_layers(layers, "RematSequential")
     segments = [s if isinstance(s, planner.Segment) else planner.Segment(*s)
                 for s in segments]
     planner.check_segments(segments, len(layers))
+    for seg in segments:
+      if seg.policy is not None:
+        policies_lib.get(seg.policy)
+    if isinstance(policy, dict):
+      policy = policies_lib.deserialize(policy)
+    elif policy is not None:
+      policies_lib.get(policy)
     super().__init__(**kwargs)
     self.chain = layers
     self.segments = segments
+    self.policy = policy
     if isinstance(plan, dict):
       plan = planner.Plan.from_config(plan)
     self.plan = plan
     self.steps = []
     for seg in segments:
       part = layers[seg.start:seg.stop]
-      self.steps += ([RematerializationLayer(keras.Sequential(part))]
+      self.steps += ([RematerializationLayer(
+          keras.Sequential(part), policy=seg.policy or policy)]
                      if seg.remat else part)
 
   def build(self, input_shape=None):
@@ -73,8 +87,9 @@ class RematSequential(keras.layers.Layer):
     return {
         **super().get_config(),
         "layers": [keras.saving.serialize_keras_object(l) for l in self.chain],
-        "segments": [[s.start, s.stop, s.remat] for s in self.segments],
+        "segments": [s.as_list() for s in self.segments],
         "plan": self.plan.get_config() if self.plan else None,
+        "policy": policies_lib.serialize(self.policy),
     }
 
   @classmethod
@@ -105,7 +120,7 @@ def _chain_layers(layers, caller):
 
 
 def remat_sequential(layers, segments=None, budget=None, sample_input=None,
-                     verbose=1):
+                     verbose=1, policy=None, policies=policies_lib.PLANNED):
   """A Keras layer running `layers` in order, with chosen rematerialization.
 
   Either uniform segments:
@@ -132,6 +147,12 @@ def remat_sequential(layers, segments=None, budget=None, sample_input=None,
     sample_input: a batch like the ones the chain will train on.
     verbose: 1 shows a progress bar while the chain is measured; 0 shows
       nothing.
+    policy: with `segments`, the save policy (`tfremat.policies`) every
+      rematerialized segment runs under.
+    policies: with `budget`, the built-in save policies' names the planner
+      may choose for each rematerialized segment, besides recomputing
+      everything (default: `tfremat.policies.PLANNED`; () for none). Each is
+      measured on every layer.
 
   Returns:
     A `RematSequential` layer; `.plan` holds the planner's Plan when a budget
@@ -147,18 +168,41 @@ def remat_sequential(layers, segments=None, budget=None, sample_input=None,
   layers = _chain_layers(layers, "remat_sequential")
   if segments is not None:
     return RematSequential(layers,
-                           planner.uniform_segments(len(layers), segments))
+                           planner.uniform_segments(len(layers), segments),
+                           policy=policy)
+  if policy is not None:
+    raise ValueError(
+        "remat_sequential: with a budget the planner chooses each segment's "
+        "policy; name the ones it may choose with policies=[...], or give "
+        "segments= to use one policy everywhere.")
+  policies = planned_policies(policies)
   budget = planner.Budget.parse(budget)
   if sample_input is None:
     raise ValueError(
         "remat_sequential: budget needs sample_input, a batch to measure the "
         "layers on.")
-  chosen = checked_plan(layers, budget, sample_input, verbose=verbose)
+  chosen = checked_plan(layers, budget, sample_input, verbose=verbose,
+                        policies=policies)
   return RematSequential(layers, chosen.segments, plan=chosen)
 
 
+def planned_policies(names):
+  """`names` as a tuple of built-in policy names; TypeError/ValueError."""
+  if isinstance(names, str):
+    names = (names,)
+  names = tuple(names)
+  bad = [n for n in names if not isinstance(n, str) or
+         n not in policies_lib.BUILT_IN or policies_lib.is_nothing(n)]
+  if bad:
+    raise ValueError(
+        f"The planner chooses among built-in save policies, named; got "
+        f"{bad!r}. Choose from {list(policies_lib.PLANNED)} (recomputing "
+        "everything is always among the choices).")
+  return names
+
+
 def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
-                 verbose=0):
+                 verbose=0, policies=()):
   """The planner's plan for `layers`, checked by measuring training steps on
   `sample_input` (`planner.calibrated_plan`).
 
@@ -171,6 +215,9 @@ def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
     rounds: how many plans to measure at most.
     costs: `measure_chain(layers, sample_input)`, if already known.
     verbose: 1 shows a progress bar over the measurements.
+    policies: built-in save policies' names the planner may choose for a
+      rematerialized segment (measured on each layer unless `costs` is
+      given).
 
   Every variable of `layers` is left as it was: measuring runs training
   steps, which move BatchNormalization statistics and advance dropout seed
@@ -195,7 +242,8 @@ def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
 
   with _variables_restored(layers, sample_input):
     if costs is None:
-      costs = measure_chain(layers, sample_input, progress=progress)
+      costs = measure_chain(layers, sample_input, progress=progress,
+                            policies=policies)
     chosen = planner.calibrated_plan(costs, budget, measured_peak, rounds)
   if progress is not None:
     progress.update(progress.target, finalize=True)
@@ -270,7 +318,7 @@ def training_step(layer, applications=1, jit=False):
   return step
 
 
-def measure_layer(layer, x, repeats=5):
+def measure_layer(layer, x, repeats=5, policies=()):
   """Measures `layer` on input `x`; returns (LayerCost, its output).
 
   Times are medians of `repeats` calls of traced functions. Bytes come from
@@ -281,6 +329,12 @@ def measure_layer(layer, x, repeats=5):
   peaks need not fall at corresponding points). For a layer whose output shape
   differs from its input's, it is what an eager GradientTape holds instead
   (usually more than a traced function keeps).
+
+  For each save policy named in `policies`, what the layer keeps when
+  rematerialized under it is read from the traced forward pass
+  (`tfremat.saved_residuals`), and what rematerializing it costs is the
+  measured time of its training step so rematerialized, less that of the
+  plain step.
   """
 
   @tf.function
@@ -304,8 +358,15 @@ def measure_layer(layer, x, repeats=5):
     del tape, held
   saved = max(0, saved)
   fwd_peak = measure.peak_bytes(forward, x)
-  fwd_s, both_s = measure.median_seconds([forward, once], x,
-                                        repeats=repeats)
+  policy_steps = [training_step(RematerializationLayer(layer, policy=p))
+                  for p in policies]
+  fwd_s, both_s, *policy_s = measure.median_seconds(
+      [forward, once] + policy_steps, x, repeats=repeats)
+  policy_costs = {}
+  for p, seconds in zip(policies, policy_s):
+    kept = residuals.saved_residuals(
+        lambda h: layer(h, training=True), x, policy=p).bytes_from("policy")
+    policy_costs[p] = [kept, max(0.0, seconds - both_s)]
   cost = planner.LayerCost(
       name=layer.name,
       forward_seconds=fwd_s,
@@ -316,7 +377,8 @@ def measure_layer(layer, x, repeats=5):
       forward_transient_bytes=max(0, fwd_peak - out),
       backward_transient_bytes=max(
           0, peak_once - (saved + out + out + inp + grads)),
-      weight_grad_bytes=grads)
+      weight_grad_bytes=grads,
+      policy_costs=policy_costs)
   return cost, y
 
 
@@ -335,7 +397,8 @@ def measure_peak(layer, x, calls=measure.PEAK_CALLS):
   return measure.peak_bytes(training_step(layer), x, calls=calls)
 
 
-def measure_chain(layers, sample_input, repeats=5, progress=None):
+def measure_chain(layers, sample_input, repeats=5, progress=None,
+                  policies=()):
   """Measures each layer of a chain in turn; returns a list of LayerCost.
 
   Then measures what long rematerialized segments cost beyond their layers'
@@ -349,12 +412,13 @@ def measure_chain(layers, sample_input, repeats=5, progress=None):
   forward time, as `waiting_recompute_seconds`.
 
   `progress`, a Keras Progbar if given, advances by one per layer and one for
-  the chain's timing.
+  the chain's timing. `policies` are built-in save policies' names to
+  measure each layer under (`measure_layer`).
   """
   advance = progress.add if progress is not None else lambda _: None
   costs, x = [], tf.convert_to_tensor(sample_input)
   for layer in layers:
-    cost, x = measure_layer(layer, x, repeats)
+    cost, x = measure_layer(layer, x, repeats, policies)
     costs.append(cost)
     advance(1)
   if len(costs) < 2:

@@ -60,6 +60,11 @@ class LayerCost:
       `forward_seconds` when it is not the last layer of a rematerialized
       segment, so that its recomputed tensors wait while the later layers'
       are recomputed (measured chain-wide by `measure_chain`).
+    policy_costs: per save policy name (`tfremat.policies.PLANNED`), a pair
+      [kept bytes, recompute seconds]: what the layer's forward pass keeps
+      under the policy when rematerialized (beyond its output), and what
+      rematerializing it under the policy adds to a training step's time
+      (measured, like the rest, by `measure_chain`).
   """
   name: str
   forward_seconds: float
@@ -71,14 +76,35 @@ class LayerCost:
   backward_transient_bytes: int
   weight_grad_bytes: int
   waiting_recompute_seconds: float = 0.0
+  policy_costs: dict = dataclasses.field(default_factory=dict)
+
+  def recompute_seconds(self, policy=None):
+    """What rematerializing this layer adds to a step (before waiting)."""
+    if policy is None:
+      return self.forward_seconds
+    return self.policy_costs[policy][1]
+
+  def kept_bytes(self, policy=None):
+    """What a rematerialized forward pass keeps beyond its output."""
+    return 0 if policy is None else self.policy_costs[policy][0]
 
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
-  """Layers [start, stop) of the chain, rematerialized or kept."""
+  """Layers [start, stop) of the chain, rematerialized or kept.
+
+  `policy` names the built-in save policy a rematerialized segment runs
+  under (`tfremat.policies`), or is None: everything is recomputed.
+  """
   start: int
   stop: int
   remat: bool
+  policy: str = None
+
+  def as_list(self):
+    """[start, stop, remat] or, with a policy, [start, stop, remat, policy]."""
+    items = [self.start, self.stop, self.remat]
+    return items + [self.policy] if self.policy else items
 
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10,
@@ -148,26 +174,32 @@ def _segment_terms(costs, seg):
   weight gradients of later layers, which `predict` adds.
   """
   layers = costs[seg.start:seg.stop]
-  peak, held = 0, 0
+  policy = seg.policy if seg.remat else None
+  peak, held, kept = 0, 0, 0
   # Forward.
   for i, c in enumerate(layers):
     if seg.remat:
-      # Only the previous in-segment output is live while this layer runs.
+      # Only the previous in-segment output is live while this layer runs,
+      # and what the policy kept of the earlier ones.
       prev = layers[i - 1].output_bytes if i else 0
-      peak = max(peak, prev + c.output_bytes + c.saved_bytes +
+      peak = max(peak, kept + prev + c.output_bytes + c.saved_bytes +
                  c.forward_transient_bytes)
+      kept += c.kept_bytes(policy)
     else:
       peak = max(peak, held + c.output_bytes + c.saved_bytes +
                  c.forward_transient_bytes)
       held += c.output_bytes + c.saved_bytes
-  retained = held if not seg.remat else layers[-1].output_bytes
+  retained = held if not seg.remat else layers[-1].output_bytes + kept
   # Backward: recompute first when rematerialized; the segment's incoming
-  # gradient is live from then on.
+  # gradient is live from then on, and so is what the policy kept.
   dy = layers[-1].output_bytes
   held = 0
   for c in layers:
     if seg.remat:
-      peak = max(peak, dy + held + c.output_bytes + c.saved_bytes +
+      # What the policy kept of this and later layers is live too; what it
+      # kept of earlier ones is now part of `held`.
+      kept -= c.kept_bytes(policy)
+      peak = max(peak, kept + dy + held + c.output_bytes + c.saved_bytes +
                  c.forward_transient_bytes)
     held += c.output_bytes + c.saved_bytes
   grads = 0
@@ -178,8 +210,12 @@ def _segment_terms(costs, seg):
     grads += c.weight_grad_bytes
   seconds = sum(c.forward_seconds + c.backward_seconds for c in layers)
   if seg.remat:
-    seconds += sum(c.forward_seconds for c in layers)
-    seconds += sum(c.waiting_recompute_seconds for c in layers[:-1])
+    seconds += sum(c.recompute_seconds(policy) for c in layers)
+    # Waiting grows with what is recomputed: scaled by the policy's share.
+    seconds += sum(
+        c.waiting_recompute_seconds *
+        min(1.0, c.recompute_seconds(policy) / max(c.forward_seconds, 1e-12))
+        for c in layers[:-1])
   return peak, retained, seconds
 
 
@@ -217,19 +253,33 @@ def check_segments(segments, n):
         f"{segments}.")
 
 
-def _candidates(n):
-  """Segments worth considering: kept single layers, any remat range."""
+def segment_policies(costs):
+  """The save policies measured for every layer of the chain."""
+  if not costs:
+    return ()
+  shared = set(costs[0].policy_costs)
+  for c in costs[1:]:
+    shared &= set(c.policy_costs)
+  return tuple(sorted(shared))
+
+
+def _candidates(n, policies=()):
+  """Segments worth considering: kept single layers, any remat range, fully
+  or under each policy."""
   for start in range(n):
     yield Segment(start, start + 1, False)
     for stop in range(start + 1, n + 1):
       yield Segment(start, stop, True)
+      for policy in policies:
+        yield Segment(start, stop, True, policy)
 
 
 def _fastest(costs, budget):
   """The fastest plan with predicted peak <= budget, or None."""
   n = len(costs)
   after = _grads_after(costs)
-  terms = {s: _segment_terms(costs, s) for s in _candidates(n)}
+  terms = {s: _segment_terms(costs, s)
+           for s in _candidates(n, segment_policies(costs))}
   # fronts[i]: Pareto-optimal (retained, seconds, segments) at position i.
   fronts = [[] for _ in range(n + 1)]
   fronts[0] = [(0, 0.0, ())]
@@ -263,6 +313,21 @@ def smallest_budget(costs):
     else:
       hi = mid
   return lo
+
+
+# Short names of the built-in policies, for printouts.
+_SHORT = {
+    "dots_saveable": "dots",
+    "dots_with_no_batch_dims_saveable": "dots/nobatch",
+    "masks_saveable": "masks",
+    "dots_and_masks_saveable": "dots+masks",
+    "dots_with_no_batch_dims_and_masks_saveable": "dots/nob+masks",
+}
+
+
+def short_policy_name(policy):
+  """A built-in policy's short name for tables, e.g. "dots+masks"."""
+  return _SHORT.get(policy, policy)
 
 
 class Plan:
@@ -300,7 +365,7 @@ class Plan:
     """A JSON-able dict; `Plan.from_config` makes the same Plan from it."""
     return {
         "costs": [dataclasses.asdict(c) for c in self.costs],
-        "segments": [[s.start, s.stop, s.remat] for s in self.segments],
+        "segments": [s.as_list() for s in self.segments],
         "budget_bytes": self.budget_bytes,
         "budget": dataclasses.asdict(self.budget) if self.budget else None,
         "measured_peak_bytes": self.measured_peak_bytes,
@@ -320,13 +385,15 @@ class Plan:
 
   def __str__(self):
     mib = measure.format_bytes
-    lines = [f"{'layer':<24}{'decision':<18}{'saved':>11}{'output':>11}"
+    lines = [f"{'layer':<24}{'decision':<26}{'saved':>11}{'output':>11}"
              f"{'fwd ms':>9}{'wait ms':>9}"]
     for k, seg in enumerate(self.segments):
       for i in range(seg.start, seg.stop):
         c = self.costs[i]
         what = f"remat segment {k}" if seg.remat else "keep"
-        lines.append(f"{c.name[:23]:<24}{what:<18}{mib(c.saved_bytes):>11}"
+        if seg.policy:
+          what = f"remat {k}: {_SHORT.get(seg.policy, seg.policy)}"
+        lines.append(f"{c.name[:23]:<24}{what:<26}{mib(c.saved_bytes):>11}"
                      f"{mib(c.output_bytes):>11}"
                      f"{1000 * c.forward_seconds:>9.2f}"
                      f"{1000 * c.waiting_recompute_seconds:>9.2f}")
