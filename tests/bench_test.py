@@ -39,10 +39,12 @@ def _rows(table):
 _GRAD_ERROR, _FIRST_CALL, _TRACE = -3, -2, -1
 
 
-@pytest.mark.parametrize("mode", [[], ["--eager"]], ids=["function", "eager"])
+@pytest.mark.parametrize("mode", [[], ["--eager"], ["--policy=dots_saveable"]],
+                         ids=["function", "eager", "policy"])
 def test_methods_table_shows_tfremat_exact_and_recompute_grad_wrong(mode):
   text = _bench(*_SMALL, *mode)
-  assert ("eager," if mode else "tf.function,") in text
+  assert ("eager," if mode == ["--eager"] else "tf.function,") in text
+  assert ("under dots_saveable" in text) == (mode == ["--policy=dots_saveable"])
   rows = _rows(text)
   assert set(rows) == {"none", "tf.recompute_grad", "keras.remat", "tfremat",
                        "tfremat.layer"}
@@ -52,7 +54,8 @@ def test_methods_table_shows_tfremat_exact_and_recompute_grad_wrong(mode):
   assert float(rows["tfremat"][1]) < 1.0  # Peak ratio to none.
   assert all(float(v[_FIRST_CALL]) > 0 for v in rows.values())
   traces = {v[_TRACE] for v in rows.values()}
-  assert traces == {"-"} if mode else all(float(t) > 0 for t in traces)
+  eager = mode == ["--eager"]
+  assert traces == {"-"} if eager else all(float(t) > 0 for t in traces)
   # [7]: the spread of step times, a legend, the machine and versions.
   for v in rows.values():
     low, high = (float(t) for t in v[3].split("-"))
@@ -65,11 +68,13 @@ def test_sweep_writes_table_csv_and_plot(tmp_path):
   # [5]: a bare --plot (as documented) draws to its default file.
   out_csv, out_png = tmp_path / "s.csv", tmp_path / "sweep.png"
   text = _bench("--sweep", "--blocks=8", "--width=64", "--batch=1024",
-                "--steps=2", f"--csv={out_csv}", "--plot", cwd=tmp_path)
+                "--steps=2", f"--csv={out_csv}", "--plot",
+                "--planner_policies=dots_saveable", cwd=tmp_path)
   with open(out_csv) as f:
     rows = list(csv.DictReader(f))
   # [8]: the CSV carries the table's columns, budget and fits included.
-  assert list(rows[0]) == ["scheme", "kind", "rematerialized", "peak_bytes",
+  assert list(rows[0]) == ["scheme", "kind", "rematerialized", "policies",
+                           "peak_bytes",
                            "peak_x_none", "step_seconds", "step_p25_seconds",
                            "step_p75_seconds", "step_x_none",
                            "budget_fraction", "budget_bytes", "fits"]
@@ -82,6 +87,10 @@ def test_sweep_writes_table_csv_and_plot(tmp_path):
                          "every 4th block", "sqrt segments"]
   assert "planner 50%" in schemes and "planner 100%" in schemes
   by = {r["scheme"]: r for r in rows}
+  # The policy scheme, and the planner choosing among that policy too.
+  assert by["every block, dots"]["kind"] == "policy"
+  assert by["every block, dots"]["policies"] == "dots"
+  assert "dots_saveable" not in by["none"]["policies"]
   assert int(by["every block"]["peak_bytes"]) < int(by["none"]["peak_bytes"])
   assert "planner at 50%" in text
   try:

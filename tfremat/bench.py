@@ -7,6 +7,7 @@
   python -m tfremat.bench --budget-fraction 0.5  # the planner at 50% peak
   python -m tfremat.bench --sweep --csv sweep.csv --plot sweep.png
   python -m tfremat.bench --sweep --plot     # the default file, sweep.png
+  python -m tfremat.bench --policy dots_saveable  # tfremat under a policy
 
 TensorFlow's start-up lines are silenced unless --verbosity is given (e.g.
 --verbosity=0).
@@ -29,10 +30,15 @@ so is tracing alone (median of 3 shuffled rounds; not in eager mode).
 The gradient error is the largest absolute difference from the `none`
 method's gradients, with dropout active.
 
+--policy runs the tfremat methods under a save policy (`tfremat.policies`).
+
 --budget-fraction and --sweep compare ways of choosing what to
 rematerialize, on the model's blocks as a chain (`tfremat.RematSequential`),
 in one process: uniform schemes (every block, every 2nd or 4th block, about
-sqrt(n) segments) and the planner at fractions of the measured no-remat peak.
+sqrt(n) segments, and, in the sweep, every block under each save policy the
+planner chooses among) and the planner, choosing per segment among keeping,
+rematerializing fully and rematerializing under each of those policies, at
+fractions of the measured no-remat peak.
 """
 
 import csv
@@ -52,6 +58,7 @@ from tfremat import chain
 from tfremat import measure
 from tfremat import models
 from tfremat import planner
+from tfremat import policies
 
 METHODS = ("none", "tf.recompute_grad", "keras.remat", "tfremat",
            "tfremat.layer")
@@ -83,6 +90,12 @@ def define_flags():
   flags.DEFINE_float("dropout", 0.1, "Dropout rate inside every block.")
   flags.DEFINE_integer("steps", 10, "Timed rounds (one step per method).")
   flags.DEFINE_list("methods", list(METHODS), "Methods to run.")
+  flags.DEFINE_enum("policy", None, sorted(policies.BUILT_IN),
+                    "The save policy of the tfremat methods (default: "
+                    "none, everything is recomputed).")
+  flags.DEFINE_list("planner_policies", list(policies.PLANNED),
+                    "The save policies the planner may choose per segment "
+                    "(empty: recompute fully or keep).")
   flags.DEFINE_float("budget_fraction", None,
                      "Run the planner at this fraction of the measured "
                      "no-remat peak, beside rematerializing nothing and "
@@ -95,8 +108,9 @@ def define_flags():
                       "Where --sweep draws its plot (needs matplotlib: "
                       "pip install .[bench]).")
 
-def wrap(method, block):
-  """`block`'s training-mode call, rematerialized by `method` (see METHODS)."""
+def wrap(method, block, policy=None):
+  """`block`'s training-mode call, rematerialized by `method` (see METHODS);
+  the tfremat methods under the save policy `policy`."""
   call = lambda h: block(h, training=True)
   if method == "none":
     return call
@@ -105,9 +119,9 @@ def wrap(method, block):
   if method == "keras.remat":
     return keras.remat(call)
   if method == "tfremat":
-    return lambda h: tfremat.RematerializeFn(call, h)
+    return lambda h: tfremat.RematerializeFn(call, h, policy=policy)
   if method == "tfremat.layer":
-    layer = tfremat.RematerializationLayer(block)
+    layer = tfremat.RematerializationLayer(block, policy=policy)
     return lambda h: layer(h, training=True)
   raise ValueError(
       f"Unknown method {method!r}; choose from {', '.join(METHODS)}.")
@@ -122,9 +136,9 @@ def _compiled(step, jit, eager):
   return tf.function(step, jit_compile=jit)
 
 
-def residual_step(blocks, method, jit, eager=False):
+def residual_step(blocks, method, jit, eager=False, policy=None):
   """A training step over residual MLP blocks: the loss gradients."""
-  calls = [wrap(method, b) for b in blocks]
+  calls = [wrap(method, b, policy) for b in blocks]
   variables = [v for b in blocks for v in b.trainable_weights]
 
   def step(x):
@@ -139,10 +153,10 @@ def residual_step(blocks, method, jit, eager=False):
   return _compiled(step, jit, eager)
 
 
-def transformer_step(parts, method, jit, eager=False):
+def transformer_step(parts, method, jit, eager=False, policy=None):
   """A language-model training step over transformer blocks: the gradients."""
   embed, blocks, head = parts
-  calls = [wrap(method, b) for b in blocks]
+  calls = [wrap(method, b, policy) for b in blocks]
   variables = [v for m in [embed] + blocks + [head]
                for v in m.trainable_weights]
   loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -158,17 +172,17 @@ def transformer_step(parts, method, jit, eager=False):
   return _compiled(step, jit, eager)
 
 
-def make_step(model, method, jit, sizes, dropout, eager=False):
+def make_step(model, method, jit, sizes, dropout, eager=False, policy=None):
   """The model's training step under `method`, and its input batch."""
   if model == "mlp":
     blocks = models.residual_mlp(sizes["blocks"], sizes["width"], dropout)
     x = tf.random.stateless_normal([sizes["batch"], sizes["width"]],
                                    seed=[1, 2])
-    return residual_step(blocks, method, jit, eager), x
+    return residual_step(blocks, method, jit, eager, policy), x
   parts = models.transformer_parts(
       sizes["vocab"], sizes["seq_len"] - 1, sizes["width"], sizes["heads"],
       sizes["blocks"], dropout)
-  return transformer_step(parts, method, jit, eager), _tokens(sizes)
+  return transformer_step(parts, method, jit, eager, policy), _tokens(sizes)
 
 
 def _tokens(sizes):
@@ -203,6 +217,13 @@ def uniform_schemes(num_blocks):
   return schemes
 
 
+def policy_schemes(num_blocks, names):
+  """Every block rematerialized under each save policy: name -> segments."""
+  return {f"every block, {planner.short_policy_name(p)}":
+          [planner.Segment(i, i + 1, True, p) for i in range(num_blocks)]
+          for p in names}
+
+
 def _schemes_and_plans(fractions, progress):
   """Measures uniform schemes and planner choices; returns result rows."""
   blocks, x = chain_and_batch(FLAGS.model, _sizes(), FLAGS.dropout)
@@ -211,21 +232,28 @@ def _schemes_and_plans(fractions, progress):
   def run(name, kind, segments, fraction=None):
     layer = tfremat.RematSequential(blocks, segments)
     step = chain.training_step(layer, jit=FLAGS.jit)
+    used = sorted({planner.short_policy_name(s.policy) for s in segments
+                   if s.remat and s.policy})
     rows.append({"scheme": name, "kind": kind,
                  "rematerialized": sum(s.stop - s.start for s in segments
                                        if s.remat),
+                 "policies": " ".join(used),
                  "peak_bytes": measure.peak_bytes(step, x),
                  "budget_fraction": fraction})
     steps.append(step)
     progress.add(1)
 
+  names = _planner_policies()
   schemes = uniform_schemes(len(blocks))
-  if not FLAGS.sweep:
+  if FLAGS.sweep:
+    schemes.update(policy_schemes(len(blocks), names))
+  else:
     schemes = {k: schemes[k] for k in ("none", "every block")}
   for name, segments in schemes.items():
-    run(name, "uniform", segments)
+    run(name, "policy" if any(s.policy for s in segments) else "uniform",
+        segments)
   full = rows[0]["peak_bytes"]
-  costs = chain.measure_chain(blocks, x)
+  costs = chain.measure_chain(blocks, x, policies=names)
   for fraction in fractions:
     try:
       chosen = chain.checked_plan(blocks, int(fraction * full), x,
@@ -246,6 +274,15 @@ def _schemes_and_plans(fractions, progress):
                  r["peak_bytes"] <= planner.MEASUREMENT_SLACK *
                  r["budget_bytes"])
   return rows
+
+
+def _planner_policies():
+  names = tuple(n for n in FLAGS.planner_policies if n)
+  unknown = [n for n in names if n not in policies.PLANNED]
+  if unknown:
+    raise app.UsageError(f"Unknown --planner_policies {unknown}; choose from "
+                         f"{', '.join(policies.PLANNED)}.")
+  return names
 
 
 def _add_times(rows, steps, *args):
@@ -283,31 +320,34 @@ first call ms: the first call, which traces (and compiles, with --jit);
   trace ms: tracing alone, the median of 3."""
 
 SCHEME_LEGEND = LEGEND + """
-remat: how many blocks are rematerialized. budget MiB: the planner's budget,
+remat: how many blocks are rematerialized; policies: the save policies the
+  rematerialized blocks run under (none: everything is recomputed; dots:
+  dots_saveable; dots/nobatch: dots_with_no_batch_dims_saveable; masks:
+  masks_saveable; +: both). budget MiB: the planner's budget,
   a fraction of the `none` row's peak; fits: whether the measured peak is
   within it (+5% for call-to-call variation)."""
 
 
 def format_scheme_table(rows):
   """Scheme rows as a table; ratios relative to the `none` row."""
-  header = (f"{'scheme':<18}{'remat':>6}{'peak MiB':>10}{'x none':>8}"
-            f"{'step ms':>10}{'IQR ms':>14}{'x none':>8}{'budget MiB':>12}"
-            f"{'fits':>6}")
+  header = (f"{'scheme':<32}{'remat':>6}  {'policies':<22}{'peak MiB':>9}"
+            f"{'x none':>8}{'step ms':>10}{'IQR ms':>14}{'x none':>8}"
+            f"{'budget MiB':>12}{'fits':>6}")
   lines = [header, "-" * len(header)]
   for r in rows:
     budget = ("" if r["budget_bytes"] is None else
               f"{r['budget_bytes'] / 2**20:.1f}")
     fits = "" if r["fits"] is None else "yes" if r["fits"] else "NO"
     lines.append(
-        f"{r['scheme']:<18}{r['rematerialized']:>6}"
-        f"{r['peak_bytes'] / 2**20:>10.1f}{r['peak_x_none']:>8.2f}"
+        f"{r['scheme']:<32}{r['rematerialized']:>6}  {r['policies']:<22}"
+        f"{r['peak_bytes'] / 2**20:>9.1f}{r['peak_x_none']:>8.2f}"
         f"{1000 * r['step_seconds']:>10.1f}{_spread(r):>14}"
         f"{r['step_x_none']:>8.2f}{budget:>12}{fits:>6}")
   return "\n".join(lines)
 
 
 # The CSV's columns: the printed table's, in bytes and seconds.
-CSV_COLUMNS = ("scheme", "kind", "rematerialized", "peak_bytes",
+CSV_COLUMNS = ("scheme", "kind", "rematerialized", "policies", "peak_bytes",
                "peak_x_none", "step_seconds", "step_p25_seconds",
                "step_p75_seconds", "step_x_none", "budget_fraction",
                "budget_bytes", "fits")
@@ -356,14 +396,16 @@ def plot_pareto(rows, path, title):
               color="gray", rotation=90, va="top", ha="right",
               transform=ax.get_xaxis_transform())
   styles = (("uniform", "o", "tab:blue", None),
+            ("policy", "D", "tab:purple", None),
             ("planner", "s", "tab:green", True),
             ("planner", "X", "tab:red", False))
   for kind, marker, color, fits in styles:
     part = [r for r in rows if r["kind"] == kind and r["fits"] == fits]
     if not part:
       continue
-    label = kind if fits is None else (
-        "planner, fits its budget" if fits else "planner, over its budget")
+    label = {"uniform": "uniform", "policy": "every block under a policy"}.get(
+        kind) if fits is None else (
+            "planner, fits its budget" if fits else "planner, over its budget")
     ax.errorbar([mib(r) for r in part], [ms(r) for r in part],
                 yerr=[[ms(r) - 1000 * r["step_p25_seconds"] for r in part],
                       [1000 * r["step_p75_seconds"] - ms(r) for r in part]],
@@ -421,7 +463,7 @@ def measure_methods(methods, progress=None):
   so a drift in the machine's speed touches all methods alike.
   """
   make = lambda method: make_step(FLAGS.model, method, FLAGS.jit, _sizes(),
-                                  FLAGS.dropout, FLAGS.eager)
+                                  FLAGS.dropout, FLAGS.eager, FLAGS.policy)
   warm_step, batch = make("none")
   warm_step(batch)
   results, steps = {}, []
@@ -537,7 +579,8 @@ def main(argv):
       raise app.UsageError("--budget-fraction must be positive, e.g. 0.5.")
     fractions = ([0.3, 0.5, 0.8, 1.0] if FLAGS.sweep else
                  [FLAGS.budget_fraction])
-    schemes = len(uniform_schemes(_sizes()["blocks"])) if FLAGS.sweep else 2
+    schemes = (len(uniform_schemes(_sizes()["blocks"])) +
+               len(_planner_policies()) if FLAGS.sweep else 2)
     print(environment())
     progress = measure.progress_bar(schemes + len(fractions), "scheme")
     rows = _schemes_and_plans(fractions, progress)
@@ -555,8 +598,9 @@ def main(argv):
     return
   methods = [m for m in METHODS if m in FLAGS.methods]
   print(environment())
+  policy = (f", tfremat methods under {FLAGS.policy}" if FLAGS.policy else "")
   print(f"{FLAGS.model}: {sizes}, dropout {FLAGS.dropout}, "
-        f"{_mode_name()}, {FLAGS.steps} timed rounds")
+        f"{_mode_name()}, {FLAGS.steps} timed rounds{policy}")
   progress = measure.progress_bar(len(methods), "method")
   print(format_table(measure_methods(methods, progress)))
   print(METHOD_LEGEND.format(steps=FLAGS.steps))
