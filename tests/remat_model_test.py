@@ -112,6 +112,18 @@ def test_gradients_and_state_equal_the_original_models(
                 state=model.variables)
 
 
+@pytest.mark.parametrize("name", ["transformer", "resnet"])
+def test_a_policy_applies_to_every_unit_and_stays_exact(name):
+  model, x = MODELS[name]()
+  rematerialized = remat_model(model, "full", policy="dots_saveable")
+  units = [l for l in rematerialized.layers
+           if isinstance(l, tfremat.RematerializationLayer)]
+  assert units and all(u.policy == "dots_saveable" for u in units)
+  assert_parity(lambda remat, inputs: (rematerialized if remat else model)(
+      inputs, training=True), (x,), model.trainable_weights, "function",
+                "/CPU:0", state=model.variables)
+
+
 def test_eager_gradients_equal_the_original_models():
   model, x = _resnet()
   rematerialized = remat_model(model, "full")
@@ -203,4 +215,8 @@ def test_bad_arguments_fail_before_anything_is_built():
     remat_model(model, "full", layer_names=["conv0"])
   with pytest.raises(ValueError, match="built model"):
     remat_model(keras.Sequential([keras.layers.Dense(2)]), "full")
+  with pytest.raises(ValueError, match="Unknown policy"):
+    remat_model(model, "full", policy="dots")
+  with pytest.raises(ValueError, match="activation functions only"):
+    remat_model(model, "activations", policy="dots_saveable")
   assert len(model.layers) == layers_before

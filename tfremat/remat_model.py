@@ -14,11 +14,13 @@ activations are recomputed in the backward pass, exactly. The modes mean what
 """
 
 import difflib
+import functools
 import math
 
 import keras
 from keras.src.models import functional
 
+from tfremat import policies
 from tfremat import remat
 from tfremat.layers import RematerializationLayer
 
@@ -133,7 +135,7 @@ def _check(model, mode, output_size_threshold, layer_names):
 
 
 def remat_model(model, mode="full", output_size_threshold=1024,
-                layer_names=None):
+                layer_names=None, policy=None):
   """`model` with the chosen layers rematerialized.
 
   Args:
@@ -151,6 +153,9 @@ def remat_model(model, mode="full", output_size_threshold=1024,
         nested model's name wraps the whole nested model).
     output_size_threshold: for "larger_than".
     layer_names: for "list_of_layers".
+    policy: the save policy (`tfremat.policies`) of every rematerialized
+      unit (not for "activations", which recompute activation functions
+      only).
 
   Returns:
     A new model of the same kind, built from the same layer objects (no
@@ -164,6 +169,13 @@ def remat_model(model, mode="full", output_size_threshold=1024,
       threshold or layer name; raised before anything is built.
   """
   _check(model, mode, output_size_threshold, layer_names)
+  if policy is not None:
+    if mode == "activations":
+      raise ValueError(
+          "remat_model: policy= is for rematerialized layers; "
+          "mode=\"activations\" recomputes activation functions only, "
+          "which keep nothing worth a policy.")
+    policies.get(policy)  # A bad policy is refused before anything is built.
   if mode == "full":
     choose = lambda layer: True
   elif mode == "larger_than":
@@ -173,7 +185,7 @@ def remat_model(model, mode="full", output_size_threshold=1024,
   else:
     choose = lambda layer: layer.name in layer_names
   wrapper = (RematerializeActivation if mode == "activations" else
-             RematerializationLayer)
+             functools.partial(RematerializationLayer, policy=policy))
   return _rematerialized(model, choose, wrapper,
                          recurse=mode in ("activations", "list_of_layers"))
 
