@@ -253,7 +253,8 @@ def _schemes_and_plans(fractions, progress):
     run(name, "policy" if any(s.policy for s in segments) else "uniform",
         segments)
   full = rows[0]["peak_bytes"]
-  costs = chain.measure_chain(blocks, x, policies=names)
+  with chain.retracing_quiet():
+    costs = chain.measure_chain(blocks, x, policies=names)
   for fraction in fractions:
     try:
       chosen = chain.checked_plan(blocks, int(fraction * full), x,
@@ -330,7 +331,7 @@ remat: how many blocks are rematerialized; policies: the save policies the
 
 def format_scheme_table(rows):
   """Scheme rows as a table; ratios relative to the `none` row."""
-  header = (f"{'scheme':<32}{'remat':>6}  {'policies':<22}{'peak MiB':>9}"
+  header = (f"{'scheme':<28}{'remat':>6}  {'policies':<34}{'peak MiB':>9}"
             f"{'x none':>8}{'step ms':>10}{'IQR ms':>14}{'x none':>8}"
             f"{'budget MiB':>12}{'fits':>6}")
   lines = [header, "-" * len(header)]
@@ -339,7 +340,7 @@ def format_scheme_table(rows):
               f"{r['budget_bytes'] / 2**20:.1f}")
     fits = "" if r["fits"] is None else "yes" if r["fits"] else "NO"
     lines.append(
-        f"{r['scheme']:<32}{r['rematerialized']:>6}  {r['policies']:<22}"
+        f"{r['scheme']:<28}{r['rematerialized']:>6}  {r['policies']:<34}"
         f"{r['peak_bytes'] / 2**20:>9.1f}{r['peak_x_none']:>8.2f}"
         f"{1000 * r['step_seconds']:>10.1f}{_spread(r):>14}"
         f"{r['step_x_none']:>8.2f}{budget:>12}{fits:>6}")
@@ -415,8 +416,11 @@ def plot_pareto(rows, path, title):
   offsets = _label_offsets([(mib(r), ms(r) / height * 300) for r in ordered],
                            min_gap=10)
   for r, dy in zip(ordered, offsets):
+    # A label moved away from its point gets a thin line to it.
     ax.annotate(r["scheme"], (mib(r), ms(r)), textcoords="offset points",
-                xytext=(5, dy), fontsize=8)
+                xytext=(5, dy), fontsize=8,
+                arrowprops=(dict(arrowstyle="-", color="gray", linewidth=0.5)
+                            if abs(dy) > 12 else None))
   front, best = [], float("inf")
   for r in ordered:
     if r["step_seconds"] < best:
