@@ -14,6 +14,7 @@ import tensorflow as tf
 import tfremat
 from tfremat import models
 from tfremat.remat_model import RematerializeActivation
+from tfremat.remat_model import chain_units
 from tfremat.remat_model import remat_model
 from conftest import DEVICES, assert_parity, assert_trees_close
 
@@ -220,3 +221,99 @@ def test_bad_arguments_fail_before_anything_is_built():
   with pytest.raises(ValueError, match="activation functions only"):
     remat_model(model, "activations", policy="dots_saveable")
   assert len(model.layers) == layers_before
+
+
+def _flat_transformer_lm(blocks=3, seq_len=8, width=16, vocab=32, batch=4):
+  """A transformer LM as one functional model: its blocks' layers inline,
+  residual connections and all (no nested block models)."""
+  keras.utils.set_random_seed(7)
+  tokens = keras.Input((seq_len,), dtype="int32")
+  h = keras.layers.Embedding(vocab, width)(tokens)
+  streams = [h]
+  for i in range(blocks):
+    a = keras.layers.LayerNormalization()(h)
+    a = keras.layers.MultiHeadAttention(2, width // 2, dropout=0.1,
+                                        seed=10 + i)(a, a, use_causal_mask=True)
+    h = keras.layers.Add()([h, a])
+    f = keras.layers.Dense(2 * width, activation="gelu")(
+        keras.layers.LayerNormalization()(h))
+    f = keras.layers.Dropout(0.2, seed=20 + i)(keras.layers.Dense(width)(f))
+    h = keras.layers.Add()([h, f])
+    streams.append(h)
+  logits = keras.layers.Dense(vocab)(keras.layers.LayerNormalization()(h))
+  model = keras.Model(tokens, logits)
+  x = tf.random.stateless_uniform([batch, seq_len], seed=[5, 6],
+                                  maxval=vocab, dtype=tf.int32)
+  return model, x, streams
+
+
+def test_chain_units_cut_where_every_path_passes():
+  model, _, streams = _flat_transformer_lm()
+  cuts, units = chain_units(model)
+  # Input, the residual stream after the embedding and after each
+  # half-block, the final norm and the logits; never inside an attention or
+  # MLP half-block, where the stream and the branch are both live.
+  for stream in streams:
+    assert any(c is stream for c in cuts)
+  assert cuts[0] is model.inputs[0] and cuts[-1] is model.outputs[0]
+  assert len(units) == len(cuts) - 1
+  resnet, _ = _resnet()
+  cuts, units = chain_units(resnet)
+  names = [getattr(u, "name", "") for u in units]
+  assert names[0] == "stem"  # One layer between two cuts: the layer itself.
+  # The two residual blocks are parts (conv, bn, dropout, add, relu each).
+  assert sum(isinstance(u, keras.Model) for u in units) == 2
+
+
+def test_budget_plans_a_functional_transformer_with_exact_gradients(tmp_path):
+  # Large enough that half its peak is well above allocator granularity.
+  model, x, _ = _flat_transformer_lm(blocks=2, seq_len=32, width=32, batch=16)
+  planned = remat_model(model, budget="60%", sample_input=x, verbose=0,
+                        policies=("dots_with_no_batch_dims_and_masks_saveable",))
+  chain = next(l for l in planned.layers
+               if isinstance(l, tfremat.RematSequential))
+  plan = chain.plan
+  assert plan.measured_peak_bytes <= plan.budget_bytes
+  assert any(plan.rematerialized)
+  # The key projections' biases have zero gradients up to rounding (softmax
+  # ignores a shift shared by a query's scores); their noise is not compared.
+  weights = [w for w in model.trainable_weights
+             if not w.path.endswith("key/bias")]
+  assert len(weights) == len(model.trainable_weights) - 2
+  assert_parity(lambda remat, inputs: (planned if remat else model)(
+      inputs, training=True), (x,), weights, "function", "/CPU:0",
+                state=model.variables)
+  # The same layer objects: no copies.
+  assert {id(w) for w in planned.trainable_weights} == {
+      id(w) for w in model.trainable_weights}
+  path = str(tmp_path / "planned.keras")
+  planned.save(path)
+  loaded = keras.models.load_model(path)
+  np.testing.assert_allclose(loaded(x), planned(x), rtol=1e-5, atol=1e-6)
+
+
+def test_two_input_model_plans_after_the_inputs_merge():
+  model, x = _two_inputs()
+  cuts, _ = chain_units(model)
+  assert all(c is not t for c in cuts for t in model.inputs)  # Merged first.
+  planned = remat_model(model, budget=1.0, sample_input=x, verbose=0,
+                        policies=())
+  assert_parity(lambda remat, inputs: (planned if remat else model)(
+      inputs, training=True), (x,), model.trainable_weights, "function",
+                "/CPU:0", state=model.variables)
+
+
+def test_budget_errors_name_the_fix():
+  model, x, _ = _flat_transformer_lm(blocks=1)
+  with pytest.raises(ValueError, match="needs sample_input"):
+    remat_model(model, budget="50%")
+  with pytest.raises(ValueError, match="leave mode, policy"):
+    remat_model(model, "activations", budget="50%", sample_input=x)
+  with pytest.raises(ValueError, match="A budget is"):
+    remat_model(model, budget="5 parsecs", sample_input=x)
+  # A skip from the input to the output: no tensor every path passes.
+  inputs = keras.Input((4,))
+  skip = keras.Model(inputs, inputs + keras.layers.Dense(4)(
+      keras.layers.Dense(4)(inputs)))
+  with pytest.raises(ValueError, match="nothing for a budget to choose"):
+    remat_model(skip, budget="50%", sample_input=tf.ones([2, 4]))

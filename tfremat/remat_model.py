@@ -20,7 +20,9 @@ import math
 import keras
 from keras.src.models import functional
 
-from tfremat import policies
+from tfremat import chain as chain_lib
+from tfremat import planner
+from tfremat import policies as policies_lib
 from tfremat import remat
 from tfremat.layers import RematerializationLayer
 
@@ -135,7 +137,8 @@ def _check(model, mode, output_size_threshold, layer_names):
 
 
 def remat_model(model, mode="full", output_size_threshold=1024,
-                layer_names=None, policy=None):
+                layer_names=None, policy=None, budget=None, sample_input=None,
+                policies=policies_lib.PLANNED, verbose=1):
   """`model` with the chosen layers rematerialized.
 
   Args:
@@ -156,6 +159,17 @@ def remat_model(model, mode="full", output_size_threshold=1024,
     policy: the save policy (`tfremat.policies`) of every rematerialized
       unit (not for "activations", which recompute activation functions
       only).
+    budget: instead of `mode`, a memory budget for a training step, as for
+      `tfremat.remat_sequential` (bytes, "200MiB", 0.5, "50%"), measured on
+      `sample_input`: the model is cut at the tensors every path from its
+      inputs to its outputs passes through (the residual stream between
+      transformer blocks, say), the parts between consecutive cuts form a
+      chain, and the planner chooses which to keep, rematerialize fully or
+      rematerialize under one of `policies` (`chain_units` shows the cuts).
+      The parts before the first cut and after the last are kept.
+    sample_input: with `budget`, a batch like those the model trains on.
+    policies: with `budget`, the save policies the planner may choose.
+    verbose: with `budget`, 1 shows a progress bar while measuring.
 
   Returns:
     A new model of the same kind, built from the same layer objects (no
@@ -168,6 +182,9 @@ def remat_model(model, mode="full", output_size_threshold=1024,
     TypeError, ValueError: a subclassed or unbuilt model, an unknown mode,
       threshold or layer name; raised before anything is built.
   """
+  if budget is not None:
+    return _planned(model, budget, sample_input, policies, verbose,
+                    mode=mode, policy=policy, layer_names=layer_names)
   _check(model, mode, output_size_threshold, layer_names)
   if policy is not None:
     if mode == "activations":
@@ -175,7 +192,7 @@ def remat_model(model, mode="full", output_size_threshold=1024,
           "remat_model: policy= is for rematerialized layers; "
           "mode=\"activations\" recomputes activation functions only, "
           "which keep nothing worth a policy.")
-    policies.get(policy)  # A bad policy is refused before anything is built.
+    policies_lib.get(policy)  # A bad policy is refused before anything is built.
   if mode == "full":
     choose = lambda layer: True
   elif mode == "larger_than":
@@ -204,3 +221,105 @@ def _rematerialized(model, choose, wrapper, recurse):
     return layer
 
   return keras.models.clone_model(model, clone_function=clone)
+
+
+def _topological_nodes(model):
+  """The model's call nodes, inputs first (an order every edge respects)."""
+  nodes = []
+  for depth in sorted(model._nodes_by_depth, reverse=True):  # pylint: disable=protected-access
+    nodes += [n for n in model._nodes_by_depth[depth]  # pylint: disable=protected-access
+              if not isinstance(n.operation, keras.layers.InputLayer)]
+  return nodes
+
+
+def chain_units(model):
+  """Where `model` can be cut into a chain, and the parts between the cuts.
+
+  A cut is a tensor every path from the model's inputs to its outputs passes
+  through: after the op computing it, it is the only tensor computed so far
+  (inputs included) that a later op or the output still needs.
+
+  Returns:
+    (cuts, units): the cut tensors in order, and for each pair of
+    consecutive cuts the part of the model between them: the layer itself
+    when it is one layer, else a functional model of the same layer objects.
+  """
+  nodes = _topological_nodes(model)
+  needed_by = {}  # id(tensor) -> index of the last node reading it.
+  for i, node in enumerate(nodes):
+    for t in node.input_tensors:
+      needed_by[id(t)] = i
+  for t in model.outputs:
+    needed_by[id(t)] = len(nodes)
+  live = {id(t): t for t in model.inputs}
+  cuts = list(model.inputs) if len(model.inputs) == 1 else []
+  for i, node in enumerate(nodes):
+    for t in node.outputs:
+      live[id(t)] = t
+    live = {k: t for k, t in live.items() if needed_by.get(k, -1) > i}
+    if len(live) == 1:
+      (tensor,) = live.values()
+      if not cuts or cuts[-1] is not tensor:
+        cuts.append(tensor)
+  units = []
+  for start, stop in zip(cuts, cuts[1:]):
+    producer = stop._keras_history.operation  # pylint: disable=protected-access
+    inbound = producer._inbound_nodes  # pylint: disable=protected-access
+    node = inbound[stop._keras_history.node_index]  # pylint: disable=protected-access
+    if node.input_tensors == [start] and len(node.outputs) == 1:
+      units.append(producer)
+    else:
+      units.append(keras.Model(start, stop,
+                               name=f"{model.name}_part{len(units)}"))
+  return cuts, units
+
+
+def _planned(model, budget, sample_input, policy_names, verbose, mode,
+             policy, layer_names):
+  """`remat_model(model, budget=...)`: the planner's choice on the model's
+  chain of parts."""
+  if not _is_graph_model(model) or not model.built or not getattr(
+      model, "inputs", None):
+    _check(model, "full", 0, None)
+  if mode != "full" or policy is not None or layer_names is not None:
+    raise ValueError(
+        "remat_model: with budget= the planner chooses what to "
+        "rematerialize and under which policy; leave mode, policy and "
+        "layer_names unset (name the policies it may use with policies=).")
+  policy_names = chain_lib.planned_policies(policy_names)
+  budget = planner.Budget.parse(budget)
+  if sample_input is None:
+    raise ValueError("remat_model: budget needs sample_input, a batch like "
+                     "those the model trains on.")
+  cuts, units = chain_units(model)
+  # The chain starts at the first float cut: parts reading token ids (an
+  # embedding) have no input gradient to measure, and run before it, kept.
+  start = next((i for i, t in enumerate(cuts)
+                if keras.backend.is_float_dtype(t.dtype)), len(cuts))
+  cuts, units = cuts[start:], units[start:]
+  if len(units) < 2:
+    raise ValueError(
+        f"remat_model: {model.name} has {len(units)} part(s) between tensors "
+        "that every path from its inputs to its outputs passes through, so "
+        "there is nothing for a budget to choose between. Give mode= "
+        "instead (\"full\" rematerializes its layers one by one).")
+  first, last = cuts[0], cuts[-1]
+  prefix = (None if any(first is t for t in model.inputs) else
+            keras.Model(model.inputs, first, name=f"{model.name}_before"))
+  suffix = (None if any(last is t for t in model.outputs) else
+            keras.Model(last, model.outputs, name=f"{model.name}_after"))
+  x = sample_input if prefix is None else prefix(sample_input)
+  chosen = chain_lib.checked_plan(units, budget, x, verbose=verbose,
+                                  policies=policy_names)
+  chain = chain_lib.RematSequential(units, chosen.segments, plan=chosen,
+                                    name=f"{model.name}_chain")
+  inputs = [keras.Input(batch_shape=t.shape, dtype=t.dtype, name=t.name)
+            for t in model.inputs]
+  h = inputs[0] if len(inputs) == 1 else inputs
+  if prefix is not None:
+    h = prefix(h)
+  h = chain(h)
+  if suffix is not None:
+    h = suffix(h)
+  return keras.Model(inputs if len(inputs) > 1 else inputs[0], h,
+                     name=model.name)
