@@ -101,11 +101,11 @@ def test_remat_sequential_argument_errors():
 
 def _chain(name):
   if name == "mlp":
-    blocks = models.residual_mlp(16, 64, dropout=0.1, residual_inside=True)
+    blocks = models.residual_mlp(10, 64, dropout=0.1, residual_inside=True)
     x = tf.random.stateless_normal([2048, 64], seed=[1, 2])
   else:
     embed, blocks, _ = models.transformer_parts(
-        128, 64, 64, 4, 6, dropout=0.1)
+        128, 64, 64, 4, 4, dropout=0.1)
     x = embed(tf.random.stateless_uniform([16, 64], seed=[1, 2], maxval=128,
                                           dtype=tf.int32))
   return blocks, x
@@ -118,8 +118,16 @@ def test_budgets_hold_when_measured(model):
   # so that the 100% budget below is the same quantity as what it checks.
   full = chain.measure_peak(tfremat.RematSequential(blocks, keep), x,
                             calls=chain.CHECK_CALLS)
-  costs = chain.measure_chain(blocks, x)
-  for fraction in (0.3, 0.5, 0.8):
+  # The transformer's plans may also run segments under a save policy: the
+  # budget must hold for those as well.
+  names = (("dots_with_no_batch_dims_and_masks_saveable",)
+           if model == "transformer" else ())
+  costs = chain.measure_chain(blocks, x, policies=names)
+  assert planner.segment_policies(costs) == names
+  # Two budgets that make the planner rematerialize much of these short
+  # chains (at 30% no plan fits them; the bench sweep runs 30%-100% on
+  # longer ones). Short chains keep the suite under 8 minutes.
+  for fraction in (0.45, 0.65):
     budget = int(fraction * full)
     chosen = chain.checked_plan(blocks, budget, x, costs=costs)
     # Measured again, on a fresh layer: the bound the budget promises.

@@ -240,7 +240,7 @@ def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
       progress.add(1)
     return peak
 
-  with _variables_restored(layers, sample_input):
+  with _variables_restored(layers, sample_input), retracing_quiet():
     if costs is None:
       costs = measure_chain(layers, sample_input, progress=progress,
                             policies=policies)
@@ -248,6 +248,27 @@ def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
   if progress is not None:
     progress.update(progress.target, finalize=True)
   return chosen
+
+
+@contextlib.contextmanager
+def retracing_quiet():
+  """Silences TensorFlow's retracing warnings while the block runs.
+
+  Planning traces a new training step for every layer, policy and plan it
+  measures, on purpose; TensorFlow's warning about frequent retracing ("5
+  out of the last 17 calls ... triggered tf.function retracing") would only
+  mislead. Other warnings and errors still show.
+  """
+  logger = tf.get_logger()
+
+  def not_retracing(record):
+    return "triggered tf.function retracing" not in record.getMessage()
+
+  logger.addFilter(not_retracing)
+  try:
+    yield
+  finally:
+    logger.removeFilter(not_retracing)
 
 
 @contextlib.contextmanager

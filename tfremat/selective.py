@@ -27,11 +27,12 @@ nothing, and a rerun that a gradient tape records (for a second-order
 gradient) replaces nothing: those tapes must see the ops themselves.
 """
 
+import numpy as np
+import tensorflow as tf
 from tensorflow.python.eager import record
 from tensorflow.python.framework import op_callbacks
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import array_ops
-import tensorflow as tf
 
 from tfremat import policies
 
@@ -209,8 +210,7 @@ class ForwardSaver(_DataTracker):
     name = kind[1] if isinstance(kind, tuple) else None
     info = describe(op, name)
     keep = self.policy(info)
-    if not isinstance(keep, (bool, type(None))) and not hasattr(
-        keep, "__bool__"):
+    if keep is not None and not isinstance(keep, (bool, np.bool_)):
       raise TypeError(
           f"A save policy must return True or False; "
           f"{policies.name_of(self.policy)} returned {keep!r} for {info}.")
@@ -232,10 +232,6 @@ class ForwardSaver(_DataTracker):
   def __exit__(self, *args):
     op_callbacks.remove_op_callback(self._callback)
     self._index_of_op = {}
-
-  def saved_bytes(self):
-    """The bytes kept, where the shapes are known."""
-    return sum(s.info.output_bytes or 0 for s in self.saved.values())
 
 
 class _OpView:
