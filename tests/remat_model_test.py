@@ -286,6 +286,14 @@ def test_budget_plans_a_functional_transformer_with_exact_gradients(tmp_path):
   # The same layer objects: no copies.
   assert {id(w) for w in planned.trainable_weights} == {
       id(w) for w in model.trainable_weights}
+  # It trains with fit, and training it trains the original's weights.
+  before = [w.numpy() for w in model.trainable_weights]
+  planned.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(
+      from_logits=True))
+  planned.fit(x, x, epochs=1, verbose=0)
+  assert all(np.any(w.numpy() != b)
+             for w, b in zip(model.trainable_weights, before)
+             if not w.path.endswith("key/bias"))
   path = str(tmp_path / "planned.keras")
   planned.save(path)
   loaded = keras.models.load_model(path)

@@ -470,11 +470,11 @@ class _Call:
         # The handle: the rerun's dense reads are replaced by the forward
         # read, which the handle feeds, and its sparse reads (ResourceGather)
         # take the handle directly.
-        targets.append(_in_graph(s.variable.handle, graph))
+        targets.append(selective.in_graph(s.variable.handle, graph))
       else:
         # The closure as the rerun reads it: a gradient graph (a while
         # loop's, say) captures the original tensor anew.
-        targets.append(_in_graph(_capture_origin(s.tensor), graph))
+        targets.append(selective.in_graph(_capture_origin(s.tensor), graph))
     reads = [(s.variable, s.tensor) for s in self.sources if s.kind == "raw"]
     seed, global_step = gated(self.seed), gated(self.global_step)
     replacer = (selective.RerunReplacer(
@@ -590,7 +590,7 @@ class _forward_reads:
     if graph not in self._handles:
       ids = {}
       for variable, read in self._reads:
-        ids[id(_in_graph(variable.handle, graph))] = read
+        ids[id(selective.in_graph(variable.handle, graph))] = read
       self._handles[graph] = ids
     return self._handles[graph]
 
@@ -602,7 +602,7 @@ class _forward_reads:
     if op_type != "ReadVariableOp" or graph is None:
       return outputs
     read = self._handle_ids(graph).get(id(inputs[0]))
-    return outputs if read is None else [_in_graph(read, graph)]
+    return outputs if read is None else [selective.in_graph(read, graph)]
 
   def __enter__(self):
     if self._reads:
@@ -625,12 +625,6 @@ def _capture_origin(tensor):
     tensor = origin
   return tensor
 
-
-def _in_graph(tensor, graph):
-  """`tensor` as seen from `graph`: itself, or the graph's capture of it."""
-  if tf.is_symbolic_tensor(tensor) and tensor.graph is graph:
-    return tensor
-  return graph.capture(tensor) if hasattr(graph, "capture") else tensor
 
 
 def rematerialize(fn=None, *, policy=None):

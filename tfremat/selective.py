@@ -39,7 +39,7 @@ from tfremat import policies
 # Never kept: they compute nothing worth keeping, or their gradient is not
 # their type's registered one, or their meaning depends on where they run.
 _NEVER = frozenset([
-    "Placeholder", "Const", "NoOp", "Identity", "IdentityN", "StopGradient",
+    "Placeholder", "Const", "NoOp", "IdentityN", "StopGradient",
     "PreventGradient", "If", "StatelessIf", "While", "StatelessWhile", "Case",
     "StatelessCase", "PartitionedCall", "StatefulPartitionedCall",
     "SymbolicGradient", "ReadVariableOp", "VarHandleOp", "_Retval", "_Arg",
@@ -78,7 +78,7 @@ def _candidate(op_type, op):
   """Whether `op` may be kept at all (before asking the policy)."""
   if op is None or not op.outputs:
     return False
-  if op_type in _NEVER and op_type != "Identity":
+  if op_type in _NEVER:
     return False
   if any(t.dtype in (tf.resource, tf.variant) for t in op.outputs):
     return False
@@ -262,7 +262,8 @@ def _kept_outputs_gradient(identity, *grads):
   return [None] * n + list(input_grads)
 
 
-def _in_graph(tensor, graph):
+def in_graph(tensor, graph):
+  """`tensor` as seen from `graph`: itself, or the graph's capture of it."""
   if tf.is_symbolic_tensor(tensor) and tensor.graph is graph:
     return tensor
   return graph.capture(tensor) if hasattr(graph, "capture") else tensor
@@ -314,7 +315,7 @@ class RerunReplacer(_DataTracker):
                      f"{signature} where the forward pass's had "
                      f"{saved.signature}")
     self.replaced += 1
-    kept = [self.gate(_in_graph(t, graph)) for t in saved.outputs]
+    kept = [self.gate(in_graph(t, graph)) for t in saved.outputs]
     fn = _gradient_of(op_type)
     if fn is _NOT_DIFFERENTIABLE or fn is None:
       self.mark(kept)
