@@ -172,7 +172,51 @@ class _DataTracker:
     self._data.update(id(t) for t in tensors or ())
 
 
-class ForwardSaver(_DataTracker):
+class _OpWatcher(_DataTracker):
+  """While entered, its subclass's `_callback` sees every op added to the
+  graph that was the default on entry; `_numbered` numbers the candidate
+  ops the same way in both passes."""
+
+  def __init__(self, inputs):
+    super().__init__(inputs)
+    self.graph = None
+    self.signatures = {}  # kind -> each candidate op's signature, in order.
+
+  def _numbered(self, op_type, inputs, outputs, graph):
+    """(op type, op, kind, index among its kind, signature) of a candidate
+    op just made in this graph, or None for any other op."""
+    if graph is None or graph is not self.graph:
+      return None
+    if isinstance(op_type, bytes):
+      op_type = op_type.decode()
+    op = _op_of(outputs)
+    if not self.depends_on_data(op_type, inputs, outputs):
+      return None
+    if self._stop(inputs):
+      return None
+    kind = _kind(op_type, op)
+    if kind is None or not _candidate(op_type, op):
+      return None
+    index = len(self.signatures.setdefault(kind, []))
+    signature = _signature(op)
+    self.signatures[kind].append(signature)
+    return op_type, op, kind, index, signature
+
+  def _stop(self, inputs):
+    """Whether to number no more ops; the rerun's replacer overrides it."""
+    del inputs
+    return False
+
+  def __enter__(self):
+    self.graph = tf.compat.v1.get_default_graph()
+    op_callbacks.add_op_callback(self._callback)
+    return self
+
+  def __exit__(self, *args):
+    op_callbacks.remove_op_callback(self._callback)
+
+
+class ForwardSaver(_OpWatcher):
   """Keeps the outputs of the forward pass's ops that `policy` chooses.
 
   Used around the forward pass, in a graph (not in eager mode). After it,
@@ -185,27 +229,16 @@ class ForwardSaver(_DataTracker):
     self.policy = policies.get(policy)
     self.unsave_named_inputs = getattr(self.policy, "unsave_named_inputs",
                                        False)
-    self.graph = None
     self.saved = {}
-    self.signatures = {}
     self._index_of_op = {}
 
   def _callback(self, op_type, inputs, attrs, outputs, op_name=None,
                 graph=None):
     del attrs, op_name
-    if graph is None or graph is not self.graph:
+    numbered = self._numbered(op_type, inputs, outputs, graph)
+    if numbered is None:
       return outputs
-    if isinstance(op_type, bytes):
-      op_type = op_type.decode()
-    op = _op_of(outputs)
-    if not self.depends_on_data(op_type, inputs, outputs):
-      return outputs
-    kind = _kind(op_type, op)
-    if kind is None or not _candidate(op_type, op):
-      return outputs
-    index = len(self.signatures.setdefault(kind, []))
-    signature = _signature(op)
-    self.signatures[kind].append(signature)
+    _, op, kind, index, signature = numbered
     self._index_of_op[id(op)] = (kind, index)
     name = kind[1] if isinstance(kind, tuple) else None
     info = describe(op, name)
@@ -224,13 +257,8 @@ class ForwardSaver(_DataTracker):
         self.saved.pop(producer, None)
     return outputs
 
-  def __enter__(self):
-    self.graph = tf.compat.v1.get_default_graph()
-    op_callbacks.add_op_callback(self._callback)
-    return self
-
   def __exit__(self, *args):
-    op_callbacks.remove_op_callback(self._callback)
+    super().__exit__(*args)
     self._index_of_op = {}
 
 
@@ -269,7 +297,7 @@ def in_graph(tensor, graph):
   return graph.capture(tensor) if hasattr(graph, "capture") else tensor
 
 
-class RerunReplacer(_DataTracker):
+class RerunReplacer(_OpWatcher):
   """Replaces the outputs of the rerun's ops that `saver` kept."""
 
   def __init__(self, saver, error, gate, inputs):
@@ -280,33 +308,23 @@ class RerunReplacer(_DataTracker):
     # them alone would otherwise be free to run in the forward pass and
     # keep their outputs alive until the backward pass.
     self.gate = gate
-    self.graph = None
-    self.signatures = {}
-    self.replaced = 0
     self.inactive = False
 
-  def _callback(self, op_type, inputs, attrs, outputs, op_name=None,
-                graph=None):
-    del attrs, op_name
-    if graph is None or graph is not self.graph:
-      return outputs
-    if isinstance(op_type, bytes):
-      op_type = op_type.decode()
-    op = _op_of(outputs)
-    if self.inactive or not self.depends_on_data(op_type, inputs, outputs):
-      return outputs
-    if record.should_record_backprop(list(inputs)):
+  def _stop(self, inputs):
+    if not self.inactive and record.should_record_backprop(list(inputs)):
       # A gradient tape records the rerun (a second-order gradient): it
       # must differentiate through the ops themselves, so nothing is
       # replaced; the kept tensors go unused.
       self.inactive = True
+    return self.inactive
+
+  def _callback(self, op_type, inputs, attrs, outputs, op_name=None,
+                graph=None):
+    del attrs, op_name
+    numbered = self._numbered(op_type, inputs, outputs, graph)
+    if numbered is None:
       return outputs
-    kind = _kind(op_type, op)
-    if kind is None or not _candidate(op_type, op):
-      return outputs
-    index = len(self.signatures.setdefault(kind, []))
-    signature = _signature(op)
-    self.signatures[kind].append(signature)
+    op_type, op, kind, index, signature = numbered
     saved = self.saver.saved.get((kind, index))
     if saved is None:
       return outputs
@@ -314,7 +332,6 @@ class RerunReplacer(_DataTracker):
       self._mismatch(kind, f"its op {index} of kind {kind!r} has outputs "
                      f"{signature} where the forward pass's had "
                      f"{saved.signature}")
-    self.replaced += 1
     kept = [self.gate(in_graph(t, graph)) for t in saved.outputs]
     fn = _gradient_of(op_type)
     if fn is _NOT_DIFFERENTIABLE or fn is None:
@@ -349,11 +366,3 @@ class RerunReplacer(_DataTracker):
         self._mismatch(kind, f"{len(rerun)} op(s) of kind {kind!r} where the "
                        f"forward pass made {len(forward)}, or with other "
                        "shapes")
-
-  def __enter__(self):
-    self.graph = tf.compat.v1.get_default_graph()
-    op_callbacks.add_op_callback(self._callback)
-    return self
-
-  def __exit__(self, *args):
-    op_callbacks.remove_op_callback(self._callback)
