@@ -110,6 +110,21 @@ def _chain(name):
                                           dtype=tf.int32))
   return blocks, x
 
+def test_policies_keeping_the_same_tensors_share_one_timing():
+  # On a layer without softmax, masks_and_softmax_saveable keeps what
+  # masks_saveable keeps: timed once, they cannot be told apart by noise.
+  # dots_and_masks_saveable keeps more, and is timed on its own.
+  block = models.residual_mlp(1, 16, dropout=0.3, residual_inside=True)[0]
+  x = tf.random.stateless_normal([8, 16], seed=[4, 4])
+  names = ("masks_saveable", "masks_and_softmax_saveable",
+           "dots_and_masks_saveable")
+  cost, _ = chain.measure_layer(block, x, repeats=3, policies=names)
+  masks, masks_softmax, dots = (cost.policy_costs[n] for n in names)
+  assert masks == masks_softmax
+  assert dots[0] > masks[0]
+  assert dots[1] != masks[1]
+
+
 @pytest.mark.parametrize("model", ["mlp", "transformer"])
 def test_budgets_hold_when_measured(model):
   blocks, x = _chain(model)

@@ -8,6 +8,9 @@ dropped.
 
 import functools
 import os
+import subprocess
+import sys
+import textwrap
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Memory tests read the allocator's statistics, kept on the CPU by the BFC
@@ -178,3 +181,39 @@ def random_costs(rng, n):
         weight_grad_bytes=int(rng.integers(0, 20)) * 1000,
         waiting_recompute_seconds=float(rng.uniform(0, 0.3))))
   return costs
+
+
+_SERVE_WITHOUT_TFREMAT = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import tensorflow as tf
+    loaded = tf.saved_model.load(sys.argv[1])
+    x = np.load(sys.argv[2])
+    fn = loaded.serve if hasattr(loaded, "serve") else loaded.signatures[
+        "serving_default"]
+    y = fn(tf.constant(x))
+    y = list(y.values())[0] if isinstance(y, dict) else y
+    assert "tfremat" not in sys.modules
+    np.save(sys.argv[3], y.numpy())
+""")
+
+
+def assert_serves_without_tfremat(model, x, tmp_path, how="model.export"):
+  """Exports `model` (`model.export` or `tf.saved_model.save`), loads the
+  artifact in a fresh Python that never imports tfremat, and checks it
+  predicts what `model` does on `x`."""
+  expected = model.predict(x, verbose=0)
+  path = str(tmp_path / "artifact")
+  if how == "model.export":
+    model.export(path, verbose=False)
+  else:
+    tf.saved_model.save(model, path)
+  np.save(tmp_path / "x.npy", x)
+  script = tmp_path / "serve.py"
+  script.write_text(_SERVE_WITHOUT_TFREMAT)
+  subprocess.run(
+      [sys.executable, str(script), path, str(tmp_path / "x.npy"),
+       str(tmp_path / "y.npy")],
+      check=True, cwd=str(tmp_path),
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=""))
+  assert_trees_close(np.load(tmp_path / "y.npy"), expected)

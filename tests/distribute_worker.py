@@ -22,12 +22,14 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top
 import tfremat  # pylint: disable=g-import-not-at-top
 
 GLOBAL_BATCH = 8
+# remat_model(budget=...)'s budget: about 80% is the least that fits.
+BUDGET = "90%"
 STEPS = 2
 X = np.random.RandomState(0).randn(GLOBAL_BATCH * STEPS, 6).astype("float32")
 Y = np.random.RandomState(1).randn(GLOBAL_BATCH * STEPS, 1).astype("float32")
 
 
-def model_fn(wrap):
+def model_fn(wrap, hidden=8):
   """A deterministic residual model (no dropout: replicas split the batch,
   so their masks could not match one device's mask over the whole batch)."""
   keras.utils.set_random_seed(1)
@@ -35,7 +37,7 @@ def model_fn(wrap):
   h = inputs
   for i in range(2):
     block = keras.Sequential([
-        keras.layers.Dense(8, activation="tanh"),
+        keras.layers.Dense(hidden, activation="tanh"),
         keras.layers.LayerNormalization(),
         keras.layers.Dense(6),
     ], name=f"block{i}")
@@ -70,15 +72,28 @@ def custom_training(strategy, wrap):
   return model.get_weights()
 
 
-def fit_training(strategy, wrap, mode=None):
-  """`model.fit`; with `mode`, the unwrapped model through remat_model."""
+def fit_training(strategy, wrap, mode=None, hidden=8):
+  """`model.fit`; with `mode`, the unwrapped model through remat_model (a
+  mode, or "budget": planned, measuring in the strategy's scope)."""
   with strategy.scope():
-    model = model_fn(wrap)
-    if mode is not None:
+    model = model_fn(wrap, hidden)
+    if mode == "budget":
+      # Wide blocks, so that rematerializing one saves memory measurably; a
+      # larger batch than training's, so that allocator granularity is noise.
+      model = tfremat.remat_model(model, budget=BUDGET, verbose=0,
+                                  sample_input=np.tile(X, [256, 1]))
+    elif mode is not None:
       model = tfremat.remat_model(model, mode)
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
   model.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
-  return model.get_weights()
+  return model
+
+
+def _plan(model):
+  """The planned chain's per-unit remat flags (1 or 0), in a list."""
+  chain = next(l for l in model.layers
+               if isinstance(l, tfremat.RematSequential))
+  return [np.array(chain.plan.rematerialized, "int32")]
 
 
 def main(scenario, out):
@@ -99,11 +114,18 @@ def main(scenario, out):
       "custom_reference": custom_training(one_device, False),
   }
   if scenario == "mirrored":
-    results["fit"] = fit_training(strategy, True)
-    results["fit_reference"] = fit_training(one_device, False)
+    results["fit"] = fit_training(strategy, True).get_weights()
+    results["fit_reference"] = fit_training(one_device, False).get_weights()
     for mode in ("full", "activations"):
-      results[f"remat_model_{mode}"] = fit_training(strategy, False, mode)
+      results[f"remat_model_{mode}"] = fit_training(
+          strategy, False, mode).get_weights()
       results[f"remat_model_{mode}_reference"] = results["fit_reference"]
+    planned = fit_training(strategy, False, "budget", hidden=64)
+    results["initial_wide"] = model_fn(False, 64).get_weights()
+    results["remat_model_budget"] = planned.get_weights()
+    results["remat_model_budget_plan"] = _plan(planned)
+    results["remat_model_budget_reference"] = fit_training(
+        one_device, False, hidden=64).get_weights()
   elif strategy.cluster_resolver.task_id != 0:
     return  # Worker 0 reports for both.
   np.savez(out, **{f"{k}/{i}": w for k, ws in results.items()

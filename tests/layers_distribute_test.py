@@ -31,9 +31,9 @@ def _weights(path, key):
     return [data[f"{key}/{i}"] for i in range(count)]
 
 
-def _assert_trained_like_reference(path, key):
+def _assert_trained_like_reference(path, key, initial="initial"):
   trained, reference = _weights(path, key), _weights(path, key + "_reference")
-  initial = _weights(path, "initial")
+  initial = _weights(path, initial)
   assert len(trained) == len(reference) == len(initial) == 14
   assert_trees_close(trained, reference)
   # Training moved the weights, so the comparison above means something.
@@ -50,6 +50,10 @@ def test_mirrored_strategy_custom_step_and_fit(tmp_path):
   # result trains under MirroredStrategy, in both kinds of wrapper.
   _assert_trained_like_reference(out, "remat_model_full")
   _assert_trained_like_reference(out, "remat_model_activations")
+  # A budget's plan, measured in the strategy's scope, rematerializes a part
+  # and trains the same.
+  assert _weights(out, "remat_model_budget_plan")[0].any()
+  _assert_trained_like_reference(out, "remat_model_budget", "initial_wide")
 
 
 def _free_ports(count):

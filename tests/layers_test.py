@@ -1,10 +1,5 @@
 """RematerializationLayer: parity with the wrapped layer in everything Keras does."""
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import keras
 import numpy as np
 import pytest
@@ -12,6 +7,7 @@ import tensorflow as tf
 
 import tfremat
 from conftest import DEVICE_MODES, MODES, assert_trees_close, compile_step
+from conftest import assert_serves_without_tfremat
 from conftest import restore, snapshot
 
 _X = np.random.RandomState(0).randn(16, 6).astype("float32")
@@ -205,39 +201,9 @@ def test_keras_file_round_trip_predicts_and_differentiates_the_same(tmp_path):
   assert_trees_close(grads(loaded), grads(model))
 
 
-_SERVE_WITHOUT_TFREMAT = textwrap.dedent("""
-    import sys
-    import numpy as np
-    import tensorflow as tf
-    loaded = tf.saved_model.load(sys.argv[1])
-    x = np.load(sys.argv[2])
-    fn = loaded.serve if hasattr(loaded, "serve") else loaded.signatures[
-        "serving_default"]
-    y = fn(tf.constant(x))
-    y = list(y.values())[0] if isinstance(y, dict) else y
-    assert "tfremat" not in sys.modules
-    np.save(sys.argv[3], y.numpy())
-""")
-
-
 @pytest.mark.parametrize("how", ["model.export", "tf.saved_model.save"])
 def test_serving_artifact_predicts_without_tfremat(tmp_path, how):
-  model = _residual_model(True)
-  expected = model.predict(_X, verbose=0)
-  path = str(tmp_path / "artifact")
-  if how == "model.export":
-    model.export(path, verbose=False)
-  else:
-    tf.saved_model.save(model, path)
-  np.save(tmp_path / "x.npy", _X)
-  script = tmp_path / "serve.py"
-  script.write_text(_SERVE_WITHOUT_TFREMAT)
-  subprocess.run(
-      [sys.executable, str(script), path, str(tmp_path / "x.npy"),
-       str(tmp_path / "y.npy")],
-      check=True, cwd=str(tmp_path),
-      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=""))
-  assert_trees_close(np.load(tmp_path / "y.npy"), expected)
+  assert_serves_without_tfremat(_residual_model(True), _X, tmp_path, how)
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])

@@ -16,7 +16,8 @@ from tfremat import models
 from tfremat.remat_model import RematerializeActivation
 from tfremat.remat_model import chain_units
 from tfremat.remat_model import remat_model
-from conftest import DEVICES, assert_parity, assert_trees_close
+from conftest import DEVICES, assert_parity, assert_serves_without_tfremat
+from conftest import assert_trees_close
 
 
 def _resnet():
@@ -189,6 +190,12 @@ def test_activations_wrapper_round_trips_through_a_keras_file(tmp_path):
                      model.predict(x, verbose=0))
 
 
+@pytest.mark.parametrize("mode", ["full", "activations"])
+def test_the_result_exports_and_serves_without_tfremat(tmp_path, mode):
+  model, x = _resnet()
+  assert_serves_without_tfremat(remat_model(model, mode), x.numpy(), tmp_path)
+
+
 class _Subclassed(keras.Model):
 
   def __init__(self):
@@ -298,6 +305,7 @@ def test_budget_plans_a_functional_transformer_with_exact_gradients(tmp_path):
   planned.save(path)
   loaded = keras.models.load_model(path)
   np.testing.assert_allclose(loaded(x), planned(x), rtol=1e-5, atol=1e-6)
+  assert_serves_without_tfremat(planned, x.numpy(), tmp_path)
 
 
 def test_two_input_model_plans_after_the_inputs_merge():

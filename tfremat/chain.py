@@ -196,8 +196,9 @@ def planned_policies(names):
   if bad:
     raise ValueError(
         f"The planner chooses among built-in save policies, named; got "
-        f"{bad!r}. Choose from {list(policies_lib.PLANNED)} (recomputing "
-        "everything is always among the choices).")
+        f"{bad!r}. Choose from the built-ins other than nothing_saveable "
+        f"(default: {list(policies_lib.PLANNED)}); recomputing everything is "
+        "always among the choices.")
   return names
 
 
@@ -211,7 +212,8 @@ def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
     budget: the budget for a training step's peak, in any form
       `planner.Budget.parse` reads (bytes, "200MiB", 0.5, "50%"); a fraction
       is of the measured peak of keeping everything.
-    sample_input: the batch to measure on.
+    sample_input: the batch to measure on (in a `tf.distribute` strategy's
+      scope, one replica's: every replica steps on all of it).
     rounds: how many plans to measure at most.
     costs: `measure_chain(layers, sample_input)`, if already known.
     verbose: 1 shows a progress bar over the measurements.
@@ -325,7 +327,6 @@ def training_step(layer, applications=1, jit=False):
   """
   weights = layer.trainable_weights
 
-  @tf.function(jit_compile=jit)
   def step(x):
     with tf.GradientTape() as tape:
       tape.watch(x)
@@ -336,7 +337,7 @@ def training_step(layer, applications=1, jit=False):
     return tape.gradient(y, [x] + weights,
                          output_gradients=tf.stop_gradient(y))
 
-  return step
+  return measure.replicated(step, jit_compile=jit)
 
 
 def measure_layer(layer, x, repeats=5, policies=()):
@@ -355,13 +356,12 @@ def measure_layer(layer, x, repeats=5, policies=()):
   rematerialized under it is read from the traced forward pass
   (`tfremat.saved_residuals`), and what rematerializing it costs is the
   measured time of its training step so rematerialized, less that of the
-  plain step.
+  plain step. Policies that keep the same tensors of this layer (on a layer
+  without softmax, `masks_saveable` and `masks_and_softmax_saveable`) are
+  timed once and share the measurement, so noise cannot rank equals.
   """
 
-  @tf.function
-  def forward(x):
-    return layer(x, training=True)
-
+  forward = measure.replicated(lambda x: layer(x, training=True))
   y = forward(x)
   out, inp = _nbytes(y), _nbytes(x)
   grads = _nbytes(layer.trainable_weights)
@@ -379,15 +379,21 @@ def measure_layer(layer, x, repeats=5, policies=()):
     del tape, held
   saved = max(0, saved)
   fwd_peak = measure.peak_bytes(forward, x)
+  kept, first_alike = {}, {}
+  for p in policies:
+    found = [r for r in residuals.saved_residuals(
+        lambda h: layer(h, training=True), x, policy=p) if r.source == "policy"]
+    kept[p] = sum(r.num_bytes for r in found)
+    alike = tuple((r.what.split()[0], r.shape, r.dtype) for r in found)
+    first_alike[p] = first_alike.setdefault(alike, p)
+  timed = [p for p in policies if first_alike[p] == p]
   policy_steps = [training_step(RematerializationLayer(layer, policy=p))
-                  for p in policies]
+                  for p in timed]
   fwd_s, both_s, *policy_s = measure.median_seconds(
       [forward, once] + policy_steps, x, repeats=repeats)
-  policy_costs = {}
-  for p, seconds in zip(policies, policy_s):
-    kept = residuals.saved_residuals(
-        lambda h: layer(h, training=True), x, policy=p).bytes_from("policy")
-    policy_costs[p] = [kept, max(0.0, seconds - both_s)]
+  seconds = dict(zip(timed, policy_s))
+  policy_costs = {p: [kept[p], max(0.0, seconds[first_alike[p]] - both_s)]
+                  for p in policies}
   cost = planner.LayerCost(
       name=layer.name,
       forward_seconds=fwd_s,

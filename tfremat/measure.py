@@ -96,6 +96,31 @@ def peak_bytes(step, *args, calls=PEAK_CALLS, warmup=True, **kwargs):
   return int(max(peaks))
 
 
+def replicated(fn, jit_compile=False):
+  """`fn` as a `tf.function` to measure; under a `tf.distribute` strategy's
+  scope, one that runs `fn` in every replica, each on the same arguments.
+
+  A strategy's variables (a model built for `MirroredStrategy`, say) can be
+  differentiated only in a replica context, so a step measured in its scope
+  runs as training under it would: each replica a step on the whole
+  arguments, which are then one replica's batch. The function returns the
+  first replica's results, once every replica's are computed.
+  """
+  if not (tf.distribute.has_strategy() and
+          tf.distribute.in_cross_replica_context()):
+    return tf.function(fn, jit_compile=jit_compile)
+  strategy = tf.distribute.get_strategy()
+  body = tf.function(fn, jit_compile=True) if jit_compile else fn
+
+  def in_replicas(*args):
+    results = strategy.experimental_local_results(strategy.run(body, args))
+    # Every replica's work feeds the result, so none of it is pruned.
+    with tf.control_dependencies(tf.nest.flatten(results)):
+      return tf.nest.map_structure(tf.identity, results[0])
+
+  return tf.function(in_replicas)
+
+
 def _wait(result):
   # Converting every tensor to numpy waits for the values.
   tf.nest.map_structure(

@@ -167,7 +167,9 @@ def remat_model(model, mode="full", output_size_threshold=1024,
       chain, and the planner chooses which to keep, rematerialize fully or
       rematerialize under one of `policies` (`chain_units` shows the cuts).
       The parts before the first cut and after the last are kept.
-    sample_input: with `budget`, a batch like those the model trains on.
+    sample_input: with `budget`, a batch like those the model trains on
+      (under a `tf.distribute` strategy's scope, one replica's batch: each
+      measured step runs in every replica on all of it).
     policies: with `budget`, the save policies the planner may choose.
     verbose: with `budget`, 1 shows a progress bar while measuring.
 
