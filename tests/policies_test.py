@@ -78,7 +78,9 @@ def test_mlp_dropout_batch_norm_parity_under_policies(device, mode, name):
 
 @pytest.mark.parametrize("name", [
     "dots_saveable", "dots_with_no_batch_dims_saveable",
-    "dots_with_no_batch_dims_and_masks_saveable", "everything_saveable"])
+    "dots_with_no_batch_dims_and_masks_saveable", "everything_saveable",
+    "masks_and_softmax_saveable",
+    "dots_with_no_batch_dims_masks_and_softmax_saveable"])
 @pytest.mark.parametrize("device, mode", GRAPH_MODES)
 def test_transformer_block_parity_under_policies(device, mode, name):
   # Attention (batched products, softmax, attention dropout), LayerNorm,
@@ -183,6 +185,51 @@ def test_kept_products_are_not_recomputed():
   assert _matmuls(lambda op: op.type == "MatMul" and width(op) == 16) == plain
   assert _matmuls(lambda op: op.type == "MatMul" and width(op) == 4) == (
       plain + 1)
+
+
+def _attention_ops(policy, remat=True):
+  """Softmax and batched-product ops a training step of an attention layer
+  runs (forward, recompute and gradient)."""
+  keras.utils.set_random_seed(3)
+  attention = keras.layers.MultiHeadAttention(2, 4, dropout=0.2, seed=1)
+  x = _x(2, 5, 8)
+  attention(x, x, use_causal_mask=True)
+  block = lambda h: attention(h, h, use_causal_mask=True, training=True)
+
+  @tf.function
+  def step(x):
+    with tf.GradientTape() as tape:
+      tape.watch(x)
+      y = tfremat.RematerializeFn(block, x, policy=policy) if remat else (
+          block(x))
+      loss = tf.reduce_sum(y * y)
+    return tape.gradient(loss, [x] + attention.trainable_weights)
+
+  counts = _reachable_types(step.get_concrete_function(
+      tf.TensorSpec([2, 5, 8])))
+  return counts.get("Softmax", 0), counts.get("BatchMatMulV2", 0)
+
+
+def test_kept_softmax_recomputes_neither_it_nor_the_scores():
+  # The softmax gradient reads only its output, so keeping the attention
+  # probabilities leaves nothing in the backward pass that needs the scores:
+  # neither the softmax nor the query-key product is recomputed. (Keras's
+  # attention computes its products as BatchMatMulV2.) Full remat recomputes
+  # five: the query, key and value projections, the scores and the
+  # probabilities times the values; no gradient reads the output
+  # projection's result, so its recompute is pruned. With the softmax kept,
+  # the scores are not: the projections are (the scores' gradient reads the
+  # queries and keys, the probabilities' the values), and so is the product
+  # of probabilities and values (the output projection's weight gradient
+  # reads it), unless a policy keeps them.
+  softmaxes, products = _attention_ops(None, remat=False)
+  assert softmaxes == 1
+  assert _attention_ops(None) == (2, products + 5)
+  assert _attention_ops("masks_and_softmax_saveable") == (1, products + 4)
+  assert _attention_ops("dots_masks_and_softmax_saveable") == (1, products)
+  assert _attention_ops(
+      "dots_with_no_batch_dims_masks_and_softmax_saveable") == (
+          1, products + 1)
 
 
 def test_nothing_saveable_builds_exactly_todays_graph():

@@ -278,12 +278,10 @@ def _schemes_and_plans(fractions, progress):
 
 
 def _planner_policies():
-  names = tuple(n for n in FLAGS.planner_policies if n)
-  unknown = [n for n in names if n not in policies.PLANNED]
-  if unknown:
-    raise app.UsageError(f"Unknown --planner_policies {unknown}; choose from "
-                         f"{', '.join(policies.PLANNED)}.")
-  return names
+  try:
+    return chain.planned_policies(n for n in FLAGS.planner_policies if n)
+  except ValueError as e:
+    raise app.UsageError(f"--planner_policies: {e}") from e
 
 
 def _add_times(rows, steps, *args):
@@ -323,24 +321,28 @@ first call ms: the first call, which traces (and compiles, with --jit);
 SCHEME_LEGEND = LEGEND + """
 remat: how many blocks are rematerialized; policies: the save policies the
   rematerialized blocks run under (none: everything is recomputed; dots:
-  dots_saveable; dots/nobatch: dots_with_no_batch_dims_saveable; masks:
-  masks_saveable; +: both). budget MiB: the planner's budget,
-  a fraction of the `none` row's peak; fits: whether the measured peak is
+  dots_saveable; dots/nobatch, or dots/nob in a union:
+  dots_with_no_batch_dims_saveable; masks: masks_saveable; softmax:
+  softmax_saveable; +: together). budget MiB: the planner's budget, a
+  fraction of the `none` row's peak; fits: whether the measured peak is
   within it (+5% for call-to-call variation)."""
 
 
 def format_scheme_table(rows):
   """Scheme rows as a table; ratios relative to the `none` row."""
-  header = (f"{'scheme':<28}{'remat':>6}  {'policies':<34}{'peak MiB':>9}"
-            f"{'x none':>8}{'step ms':>10}{'IQR ms':>14}{'x none':>8}"
-            f"{'budget MiB':>12}{'fits':>6}")
+  wide = max([28] + [len(r["scheme"]) + 1 for r in rows])
+  policies_wide = max([34] + [len(r["policies"]) + 1 for r in rows])
+  header = (f"{'scheme':<{wide}}{'remat':>6}  {'policies':<{policies_wide}}"
+            f"{'peak MiB':>9}{'x none':>8}{'step ms':>10}{'IQR ms':>14}"
+            f"{'x none':>8}{'budget MiB':>12}{'fits':>6}")
   lines = [header, "-" * len(header)]
   for r in rows:
     budget = ("" if r["budget_bytes"] is None else
               f"{r['budget_bytes'] / 2**20:.1f}")
     fits = "" if r["fits"] is None else "yes" if r["fits"] else "NO"
     lines.append(
-        f"{r['scheme']:<28}{r['rematerialized']:>6}  {r['policies']:<34}"
+        f"{r['scheme']:<{wide}}{r['rematerialized']:>6}  "
+        f"{r['policies']:<{policies_wide}}"
         f"{r['peak_bytes'] / 2**20:>9.1f}{r['peak_x_none']:>8.2f}"
         f"{1000 * r['step_seconds']:>10.1f}{_spread(r):>14}"
         f"{r['step_x_none']:>8.2f}{budget:>12}{fits:>6}")

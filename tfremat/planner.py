@@ -322,6 +322,11 @@ _SHORT = {
     "masks_saveable": "masks",
     "dots_and_masks_saveable": "dots+masks",
     "dots_with_no_batch_dims_and_masks_saveable": "dots/nob+masks",
+    "softmax_saveable": "softmax",
+    "masks_and_softmax_saveable": "masks+softmax",
+    "dots_masks_and_softmax_saveable": "dots+masks+softmax",
+    "dots_with_no_batch_dims_masks_and_softmax_saveable":
+        "dots/nob+masks+softmax",
 }
 
 

@@ -486,8 +486,11 @@ class _Call:
     if self.saver is not None:
       replacer.check()
     ys, dys = self._checked_targets(outputs, losses, dys)
-    return tf.gradients(ys, targets, grad_ys=dys,
-                        unconnected_gradients=tf.UnconnectedGradients.NONE)
+    grads = tf.gradients(ys, targets, grad_ys=dys,
+                         unconnected_gradients=tf.UnconnectedGradients.NONE)
+    if self.saver is not None:
+      replacer.detach()
+    return grads
 
   def _rerun(self, leaves, keras_values, seed, global_step):
     with self.context, step_seed.replaying(seed, global_step):

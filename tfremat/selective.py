@@ -173,9 +173,10 @@ class _DataTracker:
 
 
 class _OpWatcher(_DataTracker):
-  """While entered, its subclass's `_callback` sees every op added to the
-  graph that was the default on entry; `_numbered` numbers the candidate
-  ops the same way in both passes."""
+  """While entered, it sees every op added to the graph that was the default
+  on entry, numbers the candidate ops the same way in both passes, and shows
+  each to its subclass's `_on_candidate`, whose return value replaces the
+  op's outputs."""
 
   def __init__(self, inputs):
     super().__init__(inputs)
@@ -207,6 +208,18 @@ class _OpWatcher(_DataTracker):
     del inputs
     return False
 
+  def _callback(self, op_type, inputs, attrs, outputs, op_name=None,
+                graph=None):
+    del attrs, op_name
+    numbered = self._numbered(op_type, inputs, outputs, graph)
+    if numbered is None:
+      return outputs
+    return self._on_candidate(*numbered, inputs, outputs, graph)
+
+  def _on_candidate(self, op_type, op, kind, index, signature, inputs,
+                    outputs, graph):
+    raise NotImplementedError
+
   def __enter__(self):
     self.graph = tf.compat.v1.get_default_graph()
     op_callbacks.add_op_callback(self._callback)
@@ -232,13 +245,9 @@ class ForwardSaver(_OpWatcher):
     self.saved = {}
     self._index_of_op = {}
 
-  def _callback(self, op_type, inputs, attrs, outputs, op_name=None,
-                graph=None):
-    del attrs, op_name
-    numbered = self._numbered(op_type, inputs, outputs, graph)
-    if numbered is None:
-      return outputs
-    _, op, kind, index, signature = numbered
+  def _on_candidate(self, op_type, op, kind, index, signature, inputs,
+                    outputs, graph):
+    del op_type, graph
     self._index_of_op[id(op)] = (kind, index)
     name = kind[1] if isinstance(kind, tuple) else None
     info = describe(op, name)
@@ -309,6 +318,7 @@ class RerunReplacer(_OpWatcher):
     # keep their outputs alive until the backward pass.
     self.gate = gate
     self.inactive = False
+    self.replacements = []  # (identities, kept tensors), per replaced op.
 
   def _stop(self, inputs):
     if not self.inactive and record.should_record_backprop(list(inputs)):
@@ -318,13 +328,9 @@ class RerunReplacer(_OpWatcher):
       self.inactive = True
     return self.inactive
 
-  def _callback(self, op_type, inputs, attrs, outputs, op_name=None,
-                graph=None):
-    del attrs, op_name
-    numbered = self._numbered(op_type, inputs, outputs, graph)
-    if numbered is None:
-      return outputs
-    op_type, op, kind, index, signature = numbered
+  def _on_candidate(self, op_type, op, kind, index, signature, inputs,
+                    outputs, graph):
+    del inputs
     saved = self.saver.saved.get((kind, index))
     if saved is None:
       return outputs
@@ -342,8 +348,28 @@ class RerunReplacer(_OpWatcher):
     with graph.gradient_override_map({"IdentityN": _GRADIENT}):
       identity = array_ops.identity_n(kept + list(op.inputs))
     graph._tfremat_kept[identity[0].op.name] = (op, kept, fn)  # pylint: disable=protected-access
+    self.replacements.append((identity[:len(kept)], kept))
     self.mark(identity[:len(kept)])
     return identity[:len(kept)]
+
+  def detach(self):
+    """Once the gradient is built: every op reading a replacement identity
+    reads the kept tensor itself instead (the same value).
+
+    An identity also reads the replaced op's inputs, so that the gradient
+    reaches them; run, it would make the runtime compute those inputs even
+    where no gradient reads their values. A kept softmax's gradient reads
+    only its output, yet its identity alone would recompute the scores, their
+    masking and their product. Unread, the identity is pruned, and with it
+    whatever only it needed.
+    """
+    for identities, kept in self.replacements:
+      for identity, tensor in zip(identities, kept):
+        for consumer in identity.consumers():
+          for index, t in enumerate(consumer.inputs):
+            if t.name == identity.name:
+              consumer._update_input(index, tensor)  # pylint: disable=protected-access
+    self.replacements = []
 
   def _mismatch(self, kind, what):
     raise self.error(
