@@ -336,8 +336,9 @@ class _Call:
         # matched across, so such a function is recomputed fully.
         self.saver = (saver if saver is not None and saver.saved and
                       not ops.inner_tape_used else None)
-        return (outputs, state.ForwardState(scope), ops,
-                watcher.watched_variables())
+        watched = watcher.watched_variables()
+        ops.record_reads(watched)
+        return outputs, state.ForwardState(scope, ops), ops, watched
       step_seed.ResetStepSeed(self.seed)
     raise RuntimeError(
         "RematerializeFn: the function keeps creating variables on every "
@@ -373,7 +374,7 @@ class _Call:
       if isinstance(x, tf.Tensor):
         add("input", x, index=i)
     self.keras_variables = recorded.variables
-    self.keras_values = recorded.before
+    self.keras_values = recorded.values
     for i, value in enumerate(recorded.before):
       add("keras", value, index=i)
     keras_backing = {id(getattr(v, "_value", v)) for v in recorded.variables}
@@ -385,7 +386,10 @@ class _Call:
         if _is_differentiable(v):
           read = v.value()
           if not self.eager or _is_recorded(read):
-            sources.append(_Source("raw", read, variable=v))
+            # The rerun reads the forward pass's read (see state.ForwardOps);
+            # `read`, recorded by gradient tapes, carries the gradient.
+            sources.append(_Source("raw", read, variable=v,
+                                   value=ops.first_read(v)))
     graph = None if self.eager else tf.compat.v1.get_default_graph()
     for t in ops.external_tensors():
       if self.eager or (t.graph is graph and t.op.type != "Const"):
@@ -464,8 +468,10 @@ class _Call:
     graph = tf.compat.v1.get_default_graph()
     targets = []
     for s in self.sources:
-      if s.kind in ("input", "keras"):
+      if s.kind == "input":
         targets.append(rerun_tensor(s.tensor))
+      elif s.kind == "keras":
+        targets.append(rerun_tensor(self.keras_values[s.index]))
       elif s.kind == "raw":
         # The handle: the rerun's dense reads are replaced by the forward
         # read, which the handle feeds, and its sparse reads (ResourceGather)
@@ -474,8 +480,8 @@ class _Call:
       else:
         # The closure as the rerun reads it: a gradient graph (a while
         # loop's, say) captures the original tensor anew.
-        targets.append(selective.in_graph(_capture_origin(s.tensor), graph))
-    reads = [(s.variable, s.tensor) for s in self.sources if s.kind == "raw"]
+        targets.append(selective.in_graph(state.capture_origin(s.tensor), graph))
+    reads = [(s.variable, s.value) for s in self.sources if s.kind == "raw"]
     seed, global_step = gated(self.seed), gated(self.global_step)
     replacer = (selective.RerunReplacer(
         self.saver, RerunMismatchError, gated,
@@ -569,11 +575,14 @@ def _is_recorded(tensor):
 class _Source:
   """Something the rerun reads and the gradient may be asked for."""
 
-  def __init__(self, kind, tensor, index=None, variable=None):
+  def __init__(self, kind, tensor, index=None, variable=None, value=None):
     self.kind = kind  # "input", "keras", "raw" or "closure".
     self.tensor = tensor
     self.index = index
     self.variable = variable
+    # What the rerun reads for a raw variable: the forward pass's read of
+    # it, or, without one, `tensor`.
+    self.value = tensor if value is None else value
 
 
 class _forward_reads:
@@ -615,18 +624,6 @@ class _forward_reads:
   def __exit__(self, *args):
     if self._reads:
       op_callbacks.remove_op_callback(self._callback)
-
-
-def _capture_origin(tensor):
-  """The tensor that a function graph's placeholder captured, followed out to
-  the graph that computed it; `tensor` itself if it is no capture."""
-  while tf.is_symbolic_tensor(tensor) and tensor.op.type == "Placeholder":
-    captures = getattr(tensor.graph, "captures", ())
-    origin = next((e for e, internal in captures if internal is tensor), None)
-    if origin is None:
-      break
-    tensor = origin
-  return tensor
 
 
 

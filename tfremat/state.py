@@ -25,6 +25,9 @@ from tensorflow.python.eager import tape as tape_lib
 from tensorflow.python.framework import op_callbacks
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import gen_resource_variable_ops
+from tensorflow.python.ops import resource_variable_ops
+
+from tfremat import selective
 
 # Stateful random op types, with the public API that creates each.
 _STATEFUL_RANDOM_OPS = {
@@ -135,6 +138,17 @@ class ForwardOps:
   raised; no other state has changed, since `RecordingScope` defers Keras
   variable updates.
 
+  In a graph, it also makes every dense read of a variable in the forward
+  pass return the pass's first read of it (`first_read`), made in the
+  forward's own graph, which the rerun then reads too. The rerun's values
+  are thereby computed by ops the forward outputs depend on. A read made
+  anywhere else would be ordered before the step's later writes to the
+  variable (an optimizer's update in the same `tf.function`) by a control
+  edge alone, and Grappler drops that edge: the custom-gradient identity
+  that attaches the call's gradient reads the gradient's sources, which
+  makes the edge look redundant, and is then bypassed. The rerun would then
+  sometimes read the updated weights (tests/variable_order_test.py).
+
   The forward pass runs with gradient recording stopped. A `tf.GradientTape`
   that the block opens itself (a gradient inside the function) must still
   record the block's ops: while it is open, the tapes open outside the block
@@ -145,6 +159,9 @@ class ForwardOps:
   def __init__(self, inputs):
     self._seen = {id(t) for t in inputs}
     self._external = {}  # id -> tensor, in first-use order.
+    self._graph = None  # The forward's graph; None in eager mode.
+    self._reads = {}  # id(handle) -> (handle, first read in self._graph).
+    self._reading = False
     self._undoing = False
     self._inner_tapes = 0
     self._hidden = []
@@ -154,9 +171,55 @@ class ForwardOps:
     """Tensors the block read but did not receive or compute, in use order."""
     return list(self._external.values())
 
+  def first_read(self, variable):
+    """The forward pass's read of a tf.Variable or keras.Variable, a tensor
+    of the forward's graph, or None (eager mode, or never read densely)."""
+    variable = getattr(variable, "_value", variable)  # A keras.Variable's.
+    entry = self._reads.get(id(capture_origin(variable.handle)))
+    return None if entry is None else entry[1]
+
+  def record_reads(self, variables):
+    """Has the gradient tapes open now record the forward pass's reads of
+    `variables` as reads, as `tf.Variable` records its own.
+
+    The forward pass runs unrecorded; recorded, a read the rerun uses
+    connects a gradient of the rerun (a second-order one) to the variable.
+    """
+    for variable in variables:
+      read = self.first_read(variable)
+      if read is None:
+        continue
+      resource_variable_ops.variable_accessed(variable)
+      record.record_operation("ReadVariableOp", [read], [variable.handle],
+                              backward_function=lambda x: [x],
+                              forward_function=lambda x: [x])
+
+  def _shared_read(self, handle, outputs, graph):
+    """A read's outputs: the forward's first read of the variable."""
+    origin = capture_origin(handle)
+    entry = self._reads.get(id(origin))
+    if entry is None:
+      if graph is self._graph:
+        self._reads[id(origin)] = (origin, outputs[0])
+        return outputs
+      if not _encloses(self._graph, graph):
+        return outputs
+      # First read inside a graph nested in the forward's (a loop body, a
+      # branch, an inner tf.function): read in the forward's graph, where
+      # the rerun can use the value too, and capture that.
+      self._reading = True
+      try:
+        with self._graph.as_default():
+          read = gen_resource_variable_ops.read_variable_op(
+              selective.in_graph(origin, self._graph), outputs[0].dtype)
+      finally:
+        self._reading = False
+      entry = self._reads[id(origin)] = (origin, read)
+    return [selective.in_graph(entry[1], graph)]
+
   def _callback(self, op_type, inputs, attrs, outputs, op_name=None,
                 graph=None):
-    del attrs, graph  # Only the op's identity and tensors matter.
+    del attrs
     if self._undoing:
       return outputs  # The write that undoes a refused draw.
     try:
@@ -177,11 +240,16 @@ class ForwardOps:
       # an enclosing graph that the block captured (inside a while loop's
       # body, say): an input from outside, not a computed value.
       self._seen.update(id(t) for t in outputs or ())
+    if (self._graph is not None and graph is not None and not self._reading
+        and op_type in ("ReadVariableOp", b"ReadVariableOp") and outputs):
+      outputs = self._shared_read(inputs[0], outputs, graph)
     # TensorFlow hands each callback the previous one's return value as
     # `outputs`: returning None would hide the op's outputs from the next.
     return outputs
 
   def __enter__(self):
+    if not tf.executing_eagerly():
+      self._graph = tf.compat.v1.get_default_graph()
     # A new callback per block: nested rematerialized calls each add and
     # remove their own (TensorFlow keeps one registration per callback).
     op_callbacks.add_op_callback(self._callback)
@@ -222,6 +290,27 @@ class ForwardOps:
       for t in self._hidden:
         tape_lib.push_tape(t._tape)  # pylint: disable=protected-access
       self._hidden = []
+
+
+def capture_origin(tensor):
+  """The tensor that a function graph's placeholder captured, followed out to
+  the graph that computed it; `tensor` itself if it is no capture."""
+  while tf.is_symbolic_tensor(tensor) and tensor.op.type == "Placeholder":
+    captures = getattr(tensor.graph, "captures", ())
+    origin = next((e for e, internal in captures if internal is tensor), None)
+    if origin is None:
+      break
+    tensor = origin
+  return tensor
+
+
+def _encloses(outer, graph):
+  """Whether `graph` is `outer` or a function graph nested in it."""
+  while graph is not None:
+    if graph is outer:
+      return True
+    graph = getattr(graph, "outer_graph", None)
+  return False
 
 
 def _install_tape_hooks():
@@ -347,7 +436,7 @@ class RecordingScope(_NestedScope):
 class ForwardState:
   """What the forward pass read and wrote, for one rematerialized call."""
 
-  def __init__(self, scope):
+  def __init__(self, scope, ops):
     touched = list(scope.touched.values())
     self.variables = [v for v, _ in touched]
     # The variables still hold their pre-call values (the scope deferred the
@@ -355,8 +444,16 @@ class ForwardState:
     # the rerun must read. Reads share the variable's buffer until it is
     # next written, so holding them costs memory only when a variable does
     # change before the backward pass, which is when the copy is needed.
+    # `before` is read here, for gradient tapes to record (they connect it to
+    # the variable, and the call's gradient to `before`); the rerun reads
+    # the forward pass's own read where there is one (`values`, see
+    # `ForwardOps`), the same value.
     self.before = [read_value(v) if outer is None else outer
                    for v, outer in touched]
+    self.values = []
+    for (v, outer), b in zip(touched, self.before):
+      read = None if outer is not None else ops.first_read(v)
+      self.values.append(b if read is None else read)
     self.updated = list(scope.updated.values())
     self.after = [scope.state_mapping[id(v)] for v in self.updated]
     self.losses = list(scope.losses)
