@@ -174,8 +174,7 @@ class ForwardOps:
   def first_read(self, variable):
     """The forward pass's read of a tf.Variable or keras.Variable, a tensor
     of the forward's graph, or None (eager mode, or never read densely)."""
-    variable = getattr(variable, "_value", variable)  # A keras.Variable's.
-    entry = self._reads.get(id(capture_origin(variable.handle)))
+    entry = self._reads.get(id(capture_origin(_handle(variable))))
     return None if entry is None else entry[1]
 
   def record_reads(self, variables):
@@ -190,7 +189,7 @@ class ForwardOps:
       if read is None:
         continue
       resource_variable_ops.variable_accessed(variable)
-      record.record_operation("ReadVariableOp", [read], [variable.handle],
+      record.record_operation("ReadVariableOp", [read], [_handle(variable)],
                               backward_function=lambda x: [x],
                               forward_function=lambda x: [x])
 
@@ -302,6 +301,17 @@ def capture_origin(tensor):
       break
     tensor = origin
   return tensor
+
+
+def _handle(variable):
+  """The resource handle a read of a tf.Variable or keras.Variable takes."""
+  variable = getattr(variable, "_value", variable)  # A keras.Variable's.
+  try:
+    return variable.handle
+  except ValueError:
+    # A distributed variable outside a replica context (a model called in a
+    # strategy's scope) is read from its copy on this device or its primary.
+    return variable._get_on_device_or_primary().handle  # pylint: disable=protected-access
 
 
 def _encloses(outer, graph):
