@@ -480,7 +480,8 @@ class _Call:
       else:
         # The closure as the rerun reads it: a gradient graph (a while
         # loop's, say) captures the original tensor anew.
-        targets.append(selective.in_graph(state.capture_origin(s.tensor), graph))
+        targets.append(
+            selective.in_graph(state.capture_origin(s.tensor), graph))
     reads = [(s.variable, s.value) for s in self.sources if s.kind == "raw"]
     seed, global_step = gated(self.seed), gated(self.global_step)
     replacer = (selective.RerunReplacer(
