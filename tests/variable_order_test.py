@@ -24,16 +24,12 @@ from tensorflow.python.grappler import tf_optimizer
 from tensorflow.python.training import saver as saver_lib
 
 import tfremat
+from tfremat import state
 from conftest import DEVICES
 
 
 def _resource(node):
   return node.input[0].split(":")[0]
-
-
-def _is_write(node):
-  return node.op.startswith(("Assign", "ResourceApply")) and (
-      node.op.endswith("VariableOp") or node.op.startswith("ResourceApply"))
 
 
 def _ancestors(nodes, name):
@@ -60,13 +56,13 @@ def _reads_after_writes(step, *args):
     fetch.append(t.name)
   before = {n.name: n for n in graph_def.node}
   for node in graph_def.node:
-    if _is_write(node):
+    if state._is_variable_write(node.op):
       fetch.append(node.name)
   optimized = tf_optimizer.OptimizeGraph(config_pb2.ConfigProto(), meta_graph)
   after = {n.name: n for n in optimized.node}
   assert len(after) < len(before)  # Grappler did run.
   found = []
-  for write in (n for n in graph_def.node if _is_write(n)):
+  for write in (n for n in graph_def.node if state._is_variable_write(n.op)):
     ordered = _ancestors(before, write.name)
     still = _ancestors(after, write.name)
     for name in ordered:
@@ -142,7 +138,6 @@ def test_the_check_finds_the_reads_of_a_rerun_reading_values_of_its_own(
     monkeypatch):
   # Before the fix, the rerun read values that tfremat read after the forward
   # pass, which nothing but the dropped edges ordered; the check finds those.
-  from tfremat import state  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(state.ForwardOps, "first_read", lambda self, v: None)
   step, x = _keras_step(None)
   assert _reads_after_writes(step, x)
