@@ -313,9 +313,11 @@ class RerunReplacer(_OpWatcher):
     super().__init__(inputs)
     self.saver = saver
     self.error = error  # The exception class for a mismatch.
-    # Kept tensors are gated like the rerun's inputs: ops computing from
-    # them alone would otherwise be free to run in the forward pass and
-    # keep their outputs alive until the backward pass.
+    # Kept tensors are ordered after the incoming gradient, as the rerun's
+    # inputs are: ops computing from them alone would otherwise be free to
+    # run in the forward pass (or be merged with the forward's own) and keep
+    # their outputs alive until the backward pass. `gate(t)` is t so
+    # ordered (remat_memory_test checks the peak).
     self.gate = gate
     self.inactive = False
     self.replacements = []  # (identities, kept tensors), per replaced op.
