@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from tfremat import bench
+
 # Small, but big enough that the allocator's peaks are not 0.
 _SMALL = ["--blocks=4", "--width=64", "--batch=512", "--steps=2"]
 
@@ -124,3 +126,11 @@ def test_help_and_bad_flags():
       [sys.executable, "-m", "tfremat.bench", "--budget-fraction=half"],
       capture_output=True, text=True, timeout=300)
   assert proc.returncode != 0 and "budget_fraction" in proc.stderr
+
+
+def test_plot_labels_that_would_overlap_are_moved_apart():
+  # Two labels side by side at nearly one height, a third far to the right.
+  boxes = [(0, 100, 50), (10, 101, 50), (200, 100, 50)]
+  offsets = bench._label_offsets(boxes, height=9)
+  assert offsets[0] == offsets[2] == 2  # Free places are kept.
+  assert abs((101 + offsets[1]) - (100 + offsets[0])) >= 9

@@ -363,17 +363,21 @@ def write_csv(rows, path):
     writer.writerows({k: r[k] for k in CSV_COLUMNS} for r in rows)
 
 
-def _label_offsets(points, min_gap):
-  """Vertical label offsets (points) so that labels of points close on the
-  plot do not overlap: each label moves down past those already placed
-  near it."""
+def _label_offsets(boxes, height):
+  """Vertical offsets (points) for point labels so that no two overlap.
+
+  `boxes` holds each label's left edge x, its point's height y and its
+  width, in points. Each label, in order, takes the first free place among
+  its point's height and steps of `height` below and above it.
+  """
   placed, offsets = [], []
-  for x, y in points:
-    dy = 4
-    while any(abs(x - px) < 6 * min_gap and abs(y + dy - py) < min_gap
-              for px, py in placed):
-      dy -= min_gap
-    placed.append((x, y + dy))
+  for x, y, width in boxes:
+    for k in range(60):
+      dy = 2 + (k + 1) // 2 * height * (-1 if k % 2 else 1)
+      if not any(x < px + pw and px < x + width and abs(y + dy - py) < height
+                 for px, py, pw in placed):
+        break
+    placed.append((x, y + dy, width))
     offsets.append(dy)
   return offsets
 
@@ -414,15 +418,26 @@ def plot_pareto(rows, path, title):
                       [1000 * r["step_p75_seconds"] - ms(r) for r in part]],
                 fmt=marker, color=color, capsize=3, label=label)
   ordered = sorted(rows, key=lambda r: (mib(r), ms(r)))
-  height = max(ms(r) for r in rows)
-  offsets = _label_offsets([(mib(r), ms(r) / height * 300) for r in ordered],
-                           min_gap=10)
+  # Times differ by tens of percent, not from zero: the axis spans them.
+  low = min(1000 * r["step_p25_seconds"] for r in rows)
+  high = max(1000 * r["step_p75_seconds"] for r in rows)
+  ax.set_ylim(low - 0.05 * (high - low), high + 0.05 * (high - low))
+  ax.set_xlim(0, 1.2 * max(mib(r) for r in rows))  # Room for labels.
+  ax.set_xlabel("peak memory of a training step (MiB)")
+  ax.set_ylabel("median step time (ms); bars: 25th-75th percentile")
+  ax.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=9)
+  fig.tight_layout()
+  to_points = lambda r: ax.transData.transform((mib(r), ms(r))) * 72 / fig.dpi
+  fontsize = 7
+  offsets = _label_offsets(
+      [(to_points(r)[0] + 5, to_points(r)[1], 0.55 * fontsize *
+        len(r["scheme"])) for r in ordered], height=fontsize + 2)
   for r, dy in zip(ordered, offsets):
     # A label moved away from its point gets a thin line to it.
     ax.annotate(r["scheme"], (mib(r), ms(r)), textcoords="offset points",
-                xytext=(5, dy), fontsize=8,
+                xytext=(5, dy), fontsize=fontsize, va="center",
                 arrowprops=(dict(arrowstyle="-", color="gray", linewidth=0.5)
-                            if abs(dy) > 12 else None))
+                            if abs(dy) > fontsize else None))
   front, best = [], float("inf")
   for r in ordered:
     if r["step_seconds"] < best:
@@ -430,13 +445,7 @@ def plot_pareto(rows, path, title):
       best = r["step_seconds"]
   ax.step([mib(r) for r in front], [ms(r) for r in front], where="post",
           color="gray", linestyle="--", label="Pareto front")
-  ax.set_ylim(bottom=0)
-  ax.set_xlim(left=0)
-  ax.set_xlabel("peak memory of a training step (MiB)")
-  ax.set_ylabel("median step time (ms); bars: 25th-75th percentile")
-  ax.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=9)
-  ax.legend(loc="lower left", fontsize=8)
-  fig.tight_layout()
+  ax.legend(loc="lower left", fontsize=8)  # Fast and small: empty.
   fig.savefig(path, dpi=120)
   return True
 
