@@ -125,6 +125,17 @@ def test_policies_keeping_the_same_tensors_share_one_timing():
   assert dots[1] != masks[1]
 
 
+# How far a later measurement of a plan may exceed its budget. The planner
+# accepts a plan whose largest of CHECK_CALLS peaks is within
+# MEASUREMENT_SLACK of it; another call's may be higher, as the executor's
+# threads order independent ops differently (README, "Choosing what to
+# rematerialize"). Measured on the small MLP's 45% plans: 1.06x in CI, and
+# 1.10x-1.14x in four of eight runs here, before and after this bound was
+# set (it was MEASUREMENT_SLACK). A plan that ignored its budget would peak
+# at about twice it.
+_LATER_SLACK = 1.20
+
+
 @pytest.mark.parametrize("model", ["mlp", "transformer"])
 def test_budgets_hold_when_measured(model):
   blocks, x = _chain(model)
@@ -145,10 +156,13 @@ def test_budgets_hold_when_measured(model):
   for fraction in (0.45, 0.65):
     budget = int(fraction * full)
     chosen = chain.checked_plan(blocks, budget, x, costs=costs)
-    # Measured again, on a fresh layer: the bound the budget promises.
+    # The planner's own check: its plan's largest of CHECK_CALLS peaks.
+    assert chosen.measured_peak_bytes <= planner.MEASUREMENT_SLACK * budget
+    # Measured again, on a fresh layer: the bound the budget promises, with
+    # room for the call-to-call spread of this small chain's peak.
     measured = chain.measure_peak(
         tfremat.RematSequential(blocks, chosen.segments), x)
-    assert measured <= planner.MEASUREMENT_SLACK * budget, (
+    assert measured <= _LATER_SLACK * budget, (
         fraction, measured, budget, str(chosen))
     assert any(chosen.rematerialized)
   layer = tfremat.remat_sequential(blocks, budget=full, sample_input=x,
