@@ -9,6 +9,7 @@ import tensorflow as tf
 
 import tfremat
 from tfremat import chain
+from tfremat import measure
 from tfremat import models
 from tfremat import planner
 from conftest import assert_trees_close, random_costs
@@ -110,19 +111,31 @@ def _chain(name):
                                           dtype=tf.int32))
   return blocks, x
 
-def test_policies_keeping_the_same_tensors_share_one_timing():
+def test_policies_keeping_the_same_tensors_share_one_timing(monkeypatch):
   # On a layer without softmax, masks_and_softmax_saveable keeps what
   # masks_saveable keeps: timed once, they cannot be told apart by noise.
-  # dots_and_masks_saveable keeps more, and is timed on its own.
+  # dots_and_masks_saveable keeps more, and is timed on its own. The clock
+  # is replaced, so the test reads which steps were timed, not noise (on a
+  # layer this small real times clamp to 0 and two can be equal by chance).
+  timed = []
+
+  def fake_median_seconds(fns, *args, repeats=5):
+    del args, repeats
+    timed.extend(fns)
+    # forward, plain step, then one step per distinct policy.
+    return [1.0, 2.0] + [10.0 * (i + 1) for i in range(len(fns) - 2)]
+
+  monkeypatch.setattr(measure, "median_seconds", fake_median_seconds)
   block = models.residual_mlp(1, 16, dropout=0.3, residual_inside=True)[0]
   x = tf.random.stateless_normal([8, 16], seed=[4, 4])
   names = ("masks_saveable", "masks_and_softmax_saveable",
            "dots_and_masks_saveable")
   cost, _ = chain.measure_layer(block, x, repeats=3, policies=names)
   masks, masks_softmax, dots = (cost.policy_costs[n] for n in names)
+  assert len(timed) == 4  # forward, plain step, masks, dots.
   assert masks == masks_softmax
+  assert masks[1] == 10.0 - 2.0 and dots[1] == 20.0 - 2.0
   assert dots[0] > masks[0]
-  assert dots[1] != masks[1]
 
 
 # How far a later measurement of a plan may exceed its budget. The planner
