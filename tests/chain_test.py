@@ -144,8 +144,8 @@ def test_policies_keeping_the_same_tensors_share_one_timing(monkeypatch):
 # threads order independent ops differently (README, "Choosing what to
 # rematerialize"). Measured on the small MLP's 45% plans: 1.06x in CI, and
 # 1.10x-1.14x in four of eight runs here, before and after this bound was
-# set (it was MEASUREMENT_SLACK). A plan that ignored its budget would peak
-# at about twice it.
+# set (it was MEASUREMENT_SLACK); in eight more runs, 0.75x-1.14x. A plan
+# that ignored its budget would peak at about twice it.
 _LATER_SLACK = 1.20
 
 
@@ -170,7 +170,8 @@ def test_budgets_hold_when_measured(model):
     budget = int(fraction * full)
     chosen = chain.checked_plan(blocks, budget, x, costs=costs)
     # The planner's own check: its plan's largest of CHECK_CALLS peaks.
-    assert chosen.measured_peak_bytes <= planner.MEASUREMENT_SLACK * budget
+    assert chosen.measured_peak_bytes <= planner.MEASUREMENT_SLACK * budget, (
+        fraction, str(chosen))
     # Measured again, on a fresh layer: the bound the budget promises, with
     # room for the call-to-call spread of this small chain's peak.
     measured = chain.measure_peak(
@@ -178,9 +179,14 @@ def test_budgets_hold_when_measured(model):
     assert measured <= _LATER_SLACK * budget, (
         fraction, measured, budget, str(chosen))
     assert any(chosen.rematerialized)
-  layer = tfremat.remat_sequential(blocks, budget=full, sample_input=x,
-                                   policies=())
-  assert not any(layer.plan.rematerialized)
+  # A budget a little over the measured peak keeps everything. The planner
+  # measures keeping everything again, and its largest of CHECK_CALLS peaks
+  # was 1.046x `full` in one of eight runs on the MLP (budget=full would
+  # leave 5%). Reusing the costs: measuring them again took 15 s of this
+  # test's 64 on the transformer ("100%" through remat_sequential is
+  # test_plan_prints_the_same_after_a_keras_file's).
+  chosen = chain.checked_plan(blocks, int(1.1 * full), x, costs=costs)
+  assert not any(chosen.rematerialized), (full, str(chosen))
 
 def _bn_dropout_chain():
   keras.utils.set_random_seed(3)
