@@ -104,28 +104,42 @@ def test_sweep_writes_table_csv_and_plot(tmp_path):
 
 
 def test_help_and_bad_flags():
-  proc = subprocess.run([sys.executable, "-m", "tfremat.bench", "--help"],
-                        capture_output=True, text=True, timeout=300)
-  assert "--budget_fraction" in proc.stdout and "--sweep" in proc.stdout
-  proc = subprocess.run(
-      [sys.executable, "-m", "tfremat.bench", "--methods=bogus"],
-      capture_output=True, text=True, timeout=300)
-  assert proc.returncode != 0 and "Unknown --methods" in proc.stderr
-  proc = subprocess.run(
-      [sys.executable, "-m", "tfremat.bench", "--eager", "--jit"],
-      capture_output=True, text=True, timeout=300)
-  assert proc.returncode != 0 and "exclude each other" in proc.stderr
-  # [5]: the documented dash spelling reaches the flag, in both forms; a bad
-  # value fails before anything is measured.
-  for args in (["--budget-fraction=-1"], ["--budget-fraction", "-1"]):
-    proc = subprocess.run([sys.executable, "-m", "tfremat.bench", *args],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0, args
-    assert "--budget-fraction must be positive" in proc.stderr, proc.stderr
-  proc = subprocess.run(
-      [sys.executable, "-m", "tfremat.bench", "--budget-fraction=half"],
-      capture_output=True, text=True, timeout=300)
-  assert proc.returncode != 0 and "budget_fraction" in proc.stderr
+  # The runs are independent: started together, their TensorFlow imports
+  # overlap (24-28 s one after another in CI).
+  runs = {
+      "help": ["--help"],
+      "methods": ["--methods=bogus"],
+      "eager_jit": ["--eager", "--jit"],
+      # [5]: the documented dash spelling reaches the flag, in both forms; a
+      # bad value fails before anything is measured.
+      "dash_equals": ["--budget-fraction=-1"],
+      "dash_space": ["--budget-fraction", "-1"],
+      "not_a_number": ["--budget-fraction=half"],
+  }
+  procs = {k: subprocess.Popen([sys.executable, "-m", "tfremat.bench", *args],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+           for k, args in runs.items()}
+  done = {}
+  try:
+    for k, proc in procs.items():
+      stdout, stderr = proc.communicate(timeout=300)
+      done[k] = (proc.returncode, stdout, stderr)
+  finally:
+    for proc in procs.values():
+      proc.kill()
+  _, stdout, _ = done["help"]  # absl's --help exits with 1.
+  assert "--budget_fraction" in stdout and "--sweep" in stdout
+  code, _, stderr = done["methods"]
+  assert code != 0 and "Unknown --methods" in stderr
+  code, _, stderr = done["eager_jit"]
+  assert code != 0 and "exclude each other" in stderr
+  for k in ("dash_equals", "dash_space"):
+    code, _, stderr = done[k]
+    assert code != 0, k
+    assert "--budget-fraction must be positive" in stderr, stderr
+  code, _, stderr = done["not_a_number"]
+  assert code != 0 and "budget_fraction" in stderr
 
 
 def test_plot_labels_that_would_overlap_are_moved_apart():
