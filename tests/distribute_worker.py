@@ -134,12 +134,14 @@ def main(scenario, out):
       results[f"remat_model_{mode}_reference"] = results["fit_reference"]
     # A smaller step: at 0.1 the wide model's weights reach 1e3 in two
     # steps, where the replicas' and one device's sums round apart by 2%.
-    planned = fit_training(strategy, False, "budget", 64, WIDE_BLOCKS, 0.01)
-    results["initial_wide"] = model_fn(False, 64, WIDE_BLOCKS).get_weights()
+    wide = dict(hidden=64, blocks=WIDE_BLOCKS)
+    planned = fit_training(strategy, False, "budget", learning_rate=0.01,
+                           **wide)
+    results["initial_wide"] = model_fn(False, **wide).get_weights()
     results["remat_model_budget"] = planned.get_weights()
     results["remat_model_budget_plan"] = _plan(planned)
     results["remat_model_budget_reference"] = fit_training(
-        one_device, False, None, 64, WIDE_BLOCKS, 0.01).get_weights()
+        one_device, False, learning_rate=0.01, **wide).get_weights()
   elif strategy.cluster_resolver.task_id != 0:
     return  # Worker 0 reports for both.
   np.savez(out, **{f"{k}/{i}": w for k, ws in results.items()
