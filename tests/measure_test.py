@@ -85,6 +85,20 @@ def test_peak_bytes_without_allocator_statistics_says_how_to_turn_them_on():
   assert "TF_CPU_ALLOCATOR_USE_BFC=true" in out, out
 
 
+def test_peak_bytes_refuses_statistics_that_are_always_zero(monkeypatch):
+  # Some builds' default CPU allocator reports statistics, all zero, where
+  # others raise: a peak of 0 would be a meaningless measurement.
+  monkeypatch.setattr(tf.config.experimental, "get_memory_info",
+                      lambda device: {"current": 0, "peak": 0})
+  monkeypatch.setattr(tf.config.experimental, "reset_memory_stats",
+                      lambda device: None)
+  step = tf.function(lambda: tf.ones([8]))
+  with pytest.raises(RuntimeError, match="TF_CPU_ALLOCATOR_USE_BFC=true"):
+    measure.peak_bytes(step)
+  with pytest.raises(RuntimeError, match="no allocation while a tensor"):
+    measure.current_bytes()
+
+
 def test_current_bytes_sees_a_held_tensor():
   before = measure.current_bytes()
   held = tf.random.stateless_normal([_N], seed=[3, 4])

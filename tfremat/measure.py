@@ -36,15 +36,32 @@ def memory_device():
   return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
 
 
+_PROBE_ELEMENTS = 2**16  # A 256 KiB tensor that the statistics must see.
+
+
 def _check_statistics(device):
+  """Raises unless `device`'s allocator keeps real statistics.
+
+  Some allocators report statistics that are always zero (TensorFlow's
+  default CPU allocator does on some builds) where others raise: a tensor
+  held while reading them tells a real count from a meaningless one.
+  """
+  problem = None
   try:
-    tf.config.experimental.get_memory_info(device)
+    with tf.device(device):
+      probe = tf.fill([_PROBE_ELEMENTS], 1.0)
+      info = tf.config.experimental.get_memory_info(device)
+      del probe
+    if info["current"] < 4 * _PROBE_ELEMENTS:
+      problem = "reports no allocation while a tensor is held"
   except ValueError as e:
+    problem = f"keeps none ({e})"
+  if problem is not None:
     raise RuntimeError(
-        f"TensorFlow keeps no allocator statistics for {device}, so a step's "
-        "peak cannot be measured. On the CPU they need the BFC allocator: "
-        "set TF_CPU_ALLOCATOR_USE_BFC=true in the environment, or import "
-        "tfremat before TensorFlow runs its first op.") from e
+        f"TensorFlow's allocator statistics for {device} are not usable (it "
+        f"{problem}), so a step's peak cannot be measured. On the CPU they "
+        "need the BFC allocator: set TF_CPU_ALLOCATOR_USE_BFC=true in the "
+        "environment, or import tfremat before TensorFlow runs its first op.")
 
 
 def current_bytes():
