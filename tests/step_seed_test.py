@@ -2,6 +2,7 @@
 
 import threading
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -41,6 +42,28 @@ def test_global_step_is_the_first_element():
   np.testing.assert_array_equal(tfremat.GenerateStepSeedPair().numpy(), [42, 1])
   with pytest.raises(TypeError, match="optimizer.iterations"):
     tfremat.SetGlobalStep(3)
+
+
+@pytest.mark.parametrize("bad", [
+    lambda: tf.Variable([1, 2], dtype=tf.int64),
+    lambda: tf.Variable(1.0),
+    lambda: tf.Variable([[3]], dtype=tf.int64),
+], ids=["vector", "float", "matrix"])
+def test_set_global_step_refuses_what_is_not_a_scalar_integer(bad):
+  # A non-scalar step used to fail later, in GenerateStepSeedPair's Pack.
+  step = tf.Variable(7, dtype=tf.int64)
+  tfremat.SetGlobalStep(step)
+  with pytest.raises(TypeError, match="one integer"):
+    tfremat.SetGlobalStep(bad())
+  # Refused before any state changed: the step set before still counts.
+  np.testing.assert_array_equal(tfremat.GenerateStepSeedPair().numpy()[0], 7)
+
+
+def test_set_global_step_takes_a_keras_optimizer_iterations():
+  optimizer = keras.optimizers.SGD()
+  optimizer.build([keras.Variable(1.0)])
+  tfremat.SetGlobalStep(optimizer.iterations)
+  np.testing.assert_array_equal(tfremat.GenerateStepSeedPair().numpy(), [0, 0])
 
 
 def test_global_step_is_seen_from_other_threads():
@@ -109,6 +132,13 @@ def test_deterministic_dropout_draws_lingvos_mask(keep_prob, mode):
   keep = u >= 1 - 0.75
   np.testing.assert_allclose(y[keep], x.numpy()[keep] / 0.75, rtol=1e-6)
   assert not y[~keep].any()
+
+
+@pytest.mark.parametrize("dtype", [tf.int32, tf.bool])
+def test_deterministic_dropout_refuses_a_non_floating_input(dtype):
+  # As tf.nn.dropout does, naming the dtype, not a failing Mul.
+  with pytest.raises(ValueError, match="floating point.*tf.cast"):
+    tfremat.DeterministicDropout(tf.ones([4], dtype), 0.5, [1, 2])
 
 
 @pytest.mark.parametrize("keep_prob", [0.0, 1.5, -0.1, "0.5"])

@@ -69,10 +69,13 @@ def SetGlobalStep(step):
     step: a scalar integer variable that advances once per training step, such
       as a Keras `optimizer.iterations`, or None to go back to a constant 0.
   """
-  if step is not None and not hasattr(step, "dtype"):
+  if step is not None and (
+      not hasattr(step, "dtype") or not tf.as_dtype(step.dtype).is_integer or
+      tuple(getattr(step, "shape", None) or (None,)) != ()):
     raise TypeError(
         "SetGlobalStep expects a scalar integer variable such as "
-        f"optimizer.iterations, or None; got {step!r}.")
+        f"optimizer.iterations, or None; got {step!r}. Seed pairs are "
+        "[global step, seed], so the step must be one integer.")
   global _global_step
   _global_step = step
 
@@ -166,6 +169,10 @@ def DeterministicDropout(x, keep_prob, seeds, noise_shape=None, name=None):
         "to KEEP an element (Lingvo's convention), i.e. 1 - rate.")
   with tf.name_scope(name or "deterministic_dropout"):
     x = tf.convert_to_tensor(x)
+    if not x.dtype.is_floating:
+      raise ValueError(
+          f"DeterministicDropout: x must be a floating point tensor, got "
+          f"{x.dtype.name}. Cast it first, e.g. tf.cast(x, tf.float32).")
     if not tf.is_tensor(keep_prob) and keep_prob == 1.0:
       return x
     keep_prob = tf.cast(keep_prob, tf.float32)
