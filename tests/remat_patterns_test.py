@@ -233,6 +233,8 @@ _MISMATCHES = {
     "structure": (lambda x: (tf.sin(x), x), "different structure"),
     "dtype": (lambda x: tf.cast(tf.sin(x), tf.float64), "float64"),
     "shape": (lambda x: tf.sin(x)[:1], "shape"),
+    # Same structure, dtype and shape, other ops: caught by default too.
+    "ops": (lambda x: tf.tanh(tf.sin(x)), "other ops than the forward pass"),
 }
 
 
@@ -258,12 +260,14 @@ def test_values_determinism_check_catches_different_values(mode):
   def step(check, x):
     with tf.GradientTape() as tape:
       tape.watch(x)
-      y = tfremat.RematerializeFn(_Flaky(lambda v: tf.sin(v) + 1.0), x,
+      scales = iter([1.0, 2.0])  # A Python-side value the rerun changes.
+      y = tfremat.RematerializeFn(lambda v: tf.sin(v * next(scales)), x,
                                   determinism_check=check)
     return tape.gradient(y, x)
 
   x = tf.ones([2, 3])
-  # The default check sees the same metadata and lets it through ...
+  # The default check sees the same ops with the same metadata and lets it
+  # through ...
   compile_step(functools.partial(step, "default"), mode)(x)
   # ... the value check does not.
   with pytest.raises((tfremat.RerunMismatchError, tf.errors.InvalidArgumentError),
@@ -748,3 +752,32 @@ def test_closure_from_outside_a_while_loop_body_gets_its_gradient(device,
     got = compile_step(functools.partial(step, True), mode)(*inputs)
   assert np.abs(expected[1]).min() > 1e-3
   assert_trees_close(got, expected)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("depth", [1, 2])
+def test_exception_inside_inner_tapes_leaves_outer_tapes_working(mode, depth):
+  # An error raised while the block's own tape is open (and, nested, while
+  # an enclosing call has set the outer tapes aside) puts every tape back:
+  # the outer tape then records and differentiates as if nothing happened.
+  def failing(x):
+    with tf.GradientTape() as tape:
+      tape.watch(x)
+      tf.sin(x)
+      raise ValueError("raised inside the block")
+
+  def middle(x):
+    with tf.GradientTape() as tape:
+      tape.watch(x)
+      return tfremat.RematerializeFn(failing, x)
+
+  fn = failing if depth == 1 else middle
+  x = tf.constant(0.3)
+  for _ in range(3):
+    with tf.GradientTape() as outer:
+      outer.watch(x)
+      with pytest.raises(ValueError, match="raised inside the block"):
+        compile_step(lambda v: tfremat.RematerializeFn(fn, v), mode)(x)
+      y = tf.sin(x) * 2.0
+    np.testing.assert_allclose(outer.gradient(y, x), 2.0 * np.cos(0.3),
+                               rtol=1e-6)

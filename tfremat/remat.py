@@ -33,6 +33,10 @@ those without rematerialization. "As the forward pass ran it" means:
 - with the same inputs: tensors the function captured by closure (not passed
   as arguments) are found while the forward pass runs and differentiated like
   the arguments.
+
+Each input, closure capture and variable gets its partial derivative: the
+gradient computation outside the call adds the paths between them (README,
+"partial derivatives").
 """
 
 import contextlib
@@ -49,6 +53,7 @@ from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import record
 from tensorflow.python.framework import op_callbacks
 from tensorflow.python.ops import control_flow_util
+from tensorflow.python.ops import gen_resource_variable_ops
 
 from tfremat import policies
 from tfremat import selective
@@ -200,7 +205,9 @@ def RematerializeFn(fn, *xs, determinism_check="default", policy=None):
       is.
     determinism_check: how the rerun is checked against the forward pass.
       "default" raises `RerunMismatchError` when the rerun returns a
-      different structure, dtype or shape; "values" also compares the values
+      different structure, dtype or shape, or runs other ops (compared by
+      type, in order, constants, identities, casts and variable reads left
+      out); "values" also compares the values
       (it keeps the outputs for the backward pass, so it costs memory; not
       under XLA); "none" checks nothing.
     policy: what to keep from the forward pass instead of recomputing it: a
@@ -267,9 +274,14 @@ class _Call:
   def __init__(self, fn, xs, determinism_check, policy):
     self.context = _ForwardContext()
     self.fn = self.context.convert(fn)
+    self.eager = tf.executing_eagerly()
+    if not self.eager:
+      # An eager tensor passed in a graph is the graph's capture of it, as
+      # every op that reads it sees it: one source, not an input and a
+      # closure that are the same tensor (its gradient would count twice).
+      xs = tf.nest.map_structure(_in_current_graph, xs)
     self.xs = xs
     self.leaves = tf.nest.flatten(xs)
-    self.eager = tf.executing_eagerly()
     self.determinism_check = determinism_check
     # Eager ops run as they are called: nothing could be skipped.
     self.policy = None if self.eager or policies.is_nothing(policy) else policy
@@ -284,6 +296,11 @@ class _Call:
     self.global_step = (step_seed.GetGlobalStep()
                         if step_seed.HasGlobalStep() else None)
     outputs, recorded, ops, watched = self._run_forward()
+    # A tape the function opens itself differentiates variables in the
+    # forward pass and replayed values in the rerun, which build different
+    # gradient ops: the op types are not compared then.
+    self.inner_tape = ops.inner_tape_used
+    self.forward_op_types = ops.op_types
     flat = tf.nest.flatten(outputs)
     # The structure alone: holding the outputs would keep them alive until
     # the backward pass.
@@ -387,6 +404,8 @@ class _Call:
     for i, value in enumerate(recorded.before):
       add("keras", value, index=i)
     keras_backing = {id(getattr(v, "_value", v)) for v in recorded.variables}
+    keras_backing |= {id(state.capture_origin(state._handle(v)))  # pylint: disable=protected-access
+                      for v in recorded.variables}
     raw = [x for x in self.leaves if isinstance(x, tf.Variable)]
     raw += [v for v in watched if isinstance(v, tf.Variable)]
     for v in raw:
@@ -399,10 +418,29 @@ class _Call:
             # `read`, recorded by gradient tapes, carries the gradient.
             sources.append(_Source("raw", read, variable=v,
                                    value=ops.first_read(v)))
+    # Variables read without a tape watching the variable object (a
+    # non-trainable tf.Variable the caller watched): found by their handles.
+    covered = keras_backing | {id(state.capture_origin(state._handle(v)))  # pylint: disable=protected-access
+                               for v in raw}
+    for handle, dtype in ops.read_handles():
+      if id(handle) in covered or not (dtype.is_floating or dtype.is_complex):
+        continue
+      covered.add(id(handle))
+      if self.eager and not _is_recorded(handle):
+        continue
+      read = gen_resource_variable_ops.read_variable_op(
+          _in_current_graph(handle), dtype)
+      sources.append(_Source("raw", read, handle=handle,
+                             value=ops.first_read_of_handle(handle)))
     graph = None if self.eager else tf.compat.v1.get_default_graph()
     for t in ops.external_tensors():
-      if self.eager or (t.graph is graph and t.op.type != "Const"):
+      # Constants too: a small eager tensor that a tf.function captures is
+      # inlined as one, and a gradient tape still differentiates it.
+      if self.eager or t.graph is graph:
         add("closure", t)
+        # A captured tensor is tied to what it captures on the gradient tapes
+        # at each use; the forward pass's use was unrecorded.
+        state.record_capture(t)
     self.sources = sources
     return sources
 
@@ -432,9 +470,9 @@ class _Call:
   def _eager_backward(self, dys):
     for s in self.sources:
       if s.kind == "raw" and not bool(
-          tf.reduce_all(tf.equal(s.variable.value(), s.tensor))):
+          tf.reduce_all(tf.equal(s.read_again(), s.tensor))):
         raise RerunMismatchError(
-            f"The tf.Variable '{s.variable.name}' changed between the forward "
+            f"The tf.Variable '{s.name}' changed between the forward "
             "and the backward pass of a rematerialized call (e.g. an assign "
             "between two gradient calls on a persistent tape). Eager "
             "rematerialization rereads tf.Variables and would differentiate "
@@ -442,14 +480,12 @@ class _Call:
             "value is replayed), run the step in a tf.function, or take the "
             "gradients before changing the variable.")
     with tf.GradientTape(watch_accessed_variables=False) as tape:
-      tape.watch([s.variable if s.kind == "raw" else s.tensor
-                  for s in self.sources])
-      outputs, losses = self._rerun(self.leaves, self.keras_values,
-                                    self.seed, self.global_step)
-    ys, dys = self._checked_targets(outputs, losses, dys)
+      tape.watch([s.watched() for s in self.sources])
+      rerun = self._rerun(self.leaves, self.keras_values, self.seed,
+                          self.global_step)
+    ys, dys = self._checked_targets(*rerun, dys)
     return tape.gradient(
-        ys, [s.variable if s.kind == "raw" else s.tensor
-             for s in self.sources], output_gradients=dys,
+        ys, [s.watched() for s in self.sources], output_gradients=dys,
         unconnected_gradients=tf.UnconnectedGradients.NONE)
 
   def _graph_backward(self, dys):
@@ -468,8 +504,11 @@ class _Call:
         rerun_of[id(t)] = gated(t) if gate_it else t
       return rerun_of[id(t)]
 
-    leaves = [rerun_tensor(x) if isinstance(x, tf.Tensor) else x
-              for x in self.leaves]
+    # A tape inside the function must see an input it also reads by closure
+    # as one tensor, as the forward pass did: the inputs are passed ungated
+    # then, and the seeds and state gate the rerun.
+    leaves = [rerun_tensor(x, not self.inner_tape)
+              if isinstance(x, tf.Tensor) else x for x in self.leaves]
     # Trainable weights need no gate: every op reading them also reads a
     # gated input.
     values = [rerun_tensor(v, not variable.trainable)
@@ -485,13 +524,13 @@ class _Call:
         # The handle: the rerun's dense reads are replaced by the forward
         # read, which the handle feeds, and its sparse reads (ResourceGather)
         # take the handle directly.
-        targets.append(selective.in_graph(s.variable.handle, graph))
+        targets.append(selective.in_graph(s.handle(), graph))
       else:
         # The closure as the rerun reads it: a gradient graph (a while
         # loop's, say) captures the original tensor anew.
         targets.append(
             selective.in_graph(state.capture_origin(s.tensor), graph))
-    reads = [(s.variable, s.value) for s in self.sources if s.kind == "raw"]
+    reads = [(s.handle(), s.value) for s in self.sources if s.kind == "raw"]
     seed, global_step = gated(self.seed), gated(self.global_step)
     # Kept tensors are ordered after the gradient too (see RerunReplacer).
     # The runtime needs only a control edge; a subtraction would be a pass
@@ -507,32 +546,47 @@ class _Call:
         [x for x in leaves if isinstance(x, tf.Tensor)])
                 if self.saver is not None else contextlib.nullcontext())
     with _forward_reads(reads), replacer:
-      outputs, losses = self._rerun(leaves, values, seed, global_step)
+      rerun = self._rerun(leaves, values, seed, global_step)
     if self.saver is not None:
       replacer.check()
-    ys, dys = self._checked_targets(outputs, losses, dys)
-    grads = tf.gradients(ys, targets, grad_ys=dys,
+    ys, dys = self._checked_targets(*rerun, dys)
+    # Partial derivatives (module docstring): every target is a stop, since
+    # one may depend on another in the outer graph (an input computed from a
+    # weight the block also reads), and the gradient computation outside
+    # adds that path itself. An input the function also reads by closure (a
+    # tensor a tf.function captured, passed and closed over) is read ungated
+    # there: its gradient is the sum over both reads.
+    also_read = {i: selective.in_graph(s.tensor, graph)
+                 for i, s in enumerate(self.sources)
+                 if s.kind == "input" and rerun_tensor(s.tensor) is not s.tensor}
+    xs = targets + list(also_read.values())
+    grads = tf.gradients(ys, xs, grad_ys=dys, stop_gradients=xs,
                          unconnected_gradients=tf.UnconnectedGradients.NONE)
+    for i, extra in zip(also_read, grads[len(targets):]):
+      if extra is not None:
+        grads[i] = extra if grads[i] is None else tf.add(grads[i], extra)
     if self.saver is not None:
       replacer.detach()
-    return grads
+    return grads[:len(targets)]
 
   def _rerun(self, leaves, keras_values, seed, global_step):
+    """Runs `fn` again; returns its outputs, losses and op types."""
     with self.context, step_seed.replaying(seed, global_step):
       with state.replaying(self.keras_variables, keras_values) as losses:
-        outputs = self.call(leaves)
-    return outputs, losses
+        with state.OpTypes() as ran:
+          outputs = self.call(leaves)
+    return outputs, losses, ran.op_types
 
-  def _checked_targets(self, outputs, losses, dys):
+  def _checked_targets(self, outputs, losses, op_types, dys):
     """The rerun's differentiable outputs paired with their gradients."""
     flat = tf.nest.flatten(outputs)
     if self.determinism_check != "none":
-      self._check_rerun(outputs, flat, losses)
+      self._check_rerun(outputs, flat, losses, op_types)
     ys = [flat[i] for i in self.attached] + list(losses)
     pairs = [(y, dy) for y, dy in zip(ys, dys) if dy is not None]
     return [y for y, _ in pairs], [dy for _, dy in pairs]
 
-  def _check_rerun(self, outputs, flat, losses):
+  def _check_rerun(self, outputs, flat, losses, op_types):
     problem = None
     try:
       tf.nest.assert_same_structure(outputs, self.structure)
@@ -553,6 +607,9 @@ class _Call:
                    f"gave {shape}")
       elif self.forward_values is not None:
         problem = _compare_values(i, y, self.forward_values[n])
+    if (problem is None and not self.inner_tape and
+        op_types != self.forward_op_types):
+      problem = _describe_op_difference(self.forward_op_types, op_types)
     if problem is not None:
       raise RerunMismatchError(
           f"The backward-pass rerun of a rematerialized function returned "
@@ -560,6 +617,23 @@ class _Call:
           "it is called with the same inputs, state and seeds (no Python-side "
           "randomness, counters or caches deciding what it computes); "
           "otherwise its gradients would be silently wrong.")
+
+
+def _describe_op_difference(forward, rerun, context=3):
+  """Where two op type sequences part, side by side."""
+  first = next((i for i, (a, b) in enumerate(zip(forward, rerun)) if a != b),
+               min(len(forward), len(rerun)))
+  lines = []
+  for i in range(max(0, first - context),
+                 min(max(len(forward), len(rerun)), first + context + 1)):
+    a = forward[i] if i < len(forward) else "-"
+    b = rerun[i] if i < len(rerun) else "-"
+    mark = "   <--- the first difference" if i == first else ""
+    lines.append(f"  {i:5d}  {a:30s} {b}{mark}")
+  return (f"after running other ops than the forward pass: {len(rerun)} "
+          f"op(s) where the forward pass ran {len(forward)} (Placeholder, "
+          "Const, Identity, Cast and variable reads not counted); op number, "
+          "forward, rerun:\n" + "\n".join(lines) + "\n")
 
 
 def _compare_values(index, rerun, forward):
@@ -583,6 +657,13 @@ def _compare_values(index, rerun, forward):
   return None
 
 
+def _in_current_graph(x):
+  """`x`, or the current graph's capture of it if it is an eager tensor."""
+  if isinstance(x, tf.Tensor) and not tf.is_symbolic_tensor(x):
+    return tf.convert_to_tensor(x)
+  return x
+
+
 def _is_recorded(tensor):
   """Whether a gradient tape or a forward accumulator watches `tensor`."""
   if record.should_record_backprop([tensor]):
@@ -594,21 +675,44 @@ def _is_recorded(tensor):
 class _Source:
   """Something the rerun reads and the gradient may be asked for."""
 
-  def __init__(self, kind, tensor, index=None, variable=None, value=None):
+  def __init__(self, kind, tensor, index=None, variable=None, value=None,
+               handle=None):
     self.kind = kind  # "input", "keras", "raw" or "closure".
     self.tensor = tensor
     self.index = index
+    # A raw variable: the tf.Variable, or (read by a function without a tape
+    # watching the variable object) only its resource handle.
     self.variable = variable
+    self._handle = handle
     # What the rerun reads for a raw variable: the forward pass's read of
     # it, or, without one, `tensor`.
     self.value = tensor if value is None else value
+
+  def handle(self):
+    return self.variable.handle if self.variable is not None else self._handle
+
+  def watched(self):
+    """What an eager rerun's tape watches for this source."""
+    if self.kind != "raw":
+      return self.tensor
+    return self.variable if self.variable is not None else self._handle
+
+  @property
+  def name(self):
+    return self.variable.name if self.variable is not None else "(a variable)"
+
+  def read_again(self):
+    if self.variable is not None:
+      return self.variable.value()
+    return gen_resource_variable_ops.read_variable_op(self._handle,
+                                                      self.tensor.dtype)
 
 
 class _forward_reads:
   """In a graph, reads of raw tf.Variables give their forward-time values.
 
   An op callback may replace the outputs of an op being added to a graph;
-  here, each `ReadVariableOp` of a variable in `reads` ((variable,
+  here, each `ReadVariableOp` of a variable in `reads` ((handle,
   forward-time read) pairs) returns that read instead, so an assignment
   between the two passes changes nothing, as without rematerialization.
   """
@@ -620,8 +724,8 @@ class _forward_reads:
   def _handle_ids(self, graph):
     if graph not in self._handles:
       ids = {}
-      for variable, read in self._reads:
-        ids[id(selective.in_graph(variable.handle, graph))] = read
+      for handle, read in self._reads:
+        ids[id(selective.in_graph(handle, graph))] = read
       self._handles[graph] = ids
     return self._handles[graph]
 

@@ -116,6 +116,62 @@ def _undo_generator_draw(op_type, inputs, outputs):
   gen_resource_variable_ops.assign_variable_op(handle, old[:size])
 
 
+# Ops that say nothing about what a pass computes, or that the rerun makes
+# differently by design (it reads replayed values where the forward pass
+# read variables, and its callbacks add identities and captures).
+_UNCOUNTED_OPS = frozenset([
+    "Placeholder", "Const", "Identity", "IdentityN", "NoOp", "ReadVariableOp",
+    "Cast",
+    "VarHandleOp", "_Arg", "_Retval",
+])
+
+
+_STATEFUL_ALIKE = {"StatelessWhile": "While", "StatelessIf": "If",
+                   "StatelessCase": "Case",
+                   "StatefulPartitionedCall": "PartitionedCall"}
+
+
+def counted_op_type(op_type):
+  """`op_type` as the forward-rerun comparison counts it, or None."""
+  if isinstance(op_type, bytes):  # Eager execution passes bytes.
+    op_type = op_type.decode()
+  if op_type.startswith("__"):
+    # An eager tf.function call: under a gradient tape TensorFlow calls the
+    # function's forward variant, whose name differs.
+    return "<tf.function call>"
+  if op_type in _UNCOUNTED_OPS:
+    return None
+  # Whether control flow or a call is stateful depends on what its body
+  # reads: variables in the forward pass, replayed values in the rerun.
+  return _STATEFUL_ALIKE.get(op_type, op_type)
+
+
+class OpTypes:
+  """Records the types of the ops run or built while it is open, in order:
+  what the rerun computed, to compare with `ForwardOps.op_types`."""
+
+  def __init__(self):
+    self.op_types = []
+
+  def _callback(self, op_type, inputs, attrs, outputs, op_name=None,
+                graph=None):
+    del inputs, attrs, op_name, graph
+    counted = counted_op_type(op_type)
+    if counted is not None:
+      self.op_types.append(counted)
+    return outputs
+
+  def __enter__(self):
+    op_callbacks.add_op_callback(self._callback)
+    return self
+
+  def __exit__(self, *args):
+    op_callbacks.remove_op_callback(self._callback)
+
+
+_READS = frozenset(["ReadVariableOp", b"ReadVariableOp", "ResourceGather",
+                    b"ResourceGather"])
+
 _thread = threading.local()
 
 
@@ -166,6 +222,8 @@ class ForwardOps:
     self._inner_tapes = 0
     self._hidden = []
     self.inner_tape_used = False
+    self.op_types = []  # See OpTypes.
+    self._read_handles = {}  # id -> (handle, dtype), in first-read order.
 
   def external_tensors(self):
     """Tensors the block read but did not receive or compute, in use order."""
@@ -174,8 +232,16 @@ class ForwardOps:
   def first_read(self, variable):
     """The forward pass's read of a tf.Variable or keras.Variable, a tensor
     of the forward's graph, or None (eager mode, or never read densely)."""
-    entry = self._reads.get(id(capture_origin(_handle(variable))))
+    return self.first_read_of_handle(capture_origin(_handle(variable)))
+
+  def first_read_of_handle(self, handle):
+    entry = self._reads.get(id(handle))
     return None if entry is None else entry[1]
+
+  def read_handles(self):
+    """(handle, dtype) of every variable the block read, followed out of
+    function captures, in first-read order."""
+    return list(self._read_handles.values())
 
   def record_reads(self, variables):
     """Has the gradient tapes open now record the forward pass's reads of
@@ -230,6 +296,9 @@ class ForwardOps:
       finally:
         self._undoing = False
       raise
+    counted = counted_op_type(op_type)
+    if counted is not None:
+      self.op_types.append(counted)
     for t in inputs:
       if id(t) not in self._seen:
         self._seen.add(id(t))
@@ -239,6 +308,9 @@ class ForwardOps:
       # an enclosing graph that the block captured (inside a while loop's
       # body, say): an input from outside, not a computed value.
       self._seen.update(id(t) for t in outputs or ())
+    if op_type in _READS and inputs and outputs:
+      origin = capture_origin(inputs[0])
+      self._read_handles.setdefault(id(origin), (origin, outputs[0].dtype))
     if (self._graph is not None and graph is not None and not self._reading
         and op_type in ("ReadVariableOp", b"ReadVariableOp") and outputs):
       outputs = self._shared_read(inputs[0], outputs, graph)
@@ -263,7 +335,12 @@ class ForwardOps:
     """A tape opened inside the block: let it, and only it, record."""
     self.inner_tape_used = True
     if self._inner_tapes == 0:
-      hidden = [t for t in _thread_list("tapes") if t._recording]  # pylint: disable=protected-access
+      # A tape an enclosing forward pass set aside is out of the tape set
+      # already: removing it again would drop a reference TensorFlow's tape
+      # set holds, and free the tape while it is in use.
+      aside = _thread_list("aside")
+      hidden = [t for t in _thread_list("tapes")
+                if t._recording and not any(t is a for a in aside)]  # pylint: disable=protected-access
       for t in hidden:
         tape_lib.pop_tape(t._tape)  # pylint: disable=protected-access
       if record.could_possibly_record():
@@ -280,14 +357,17 @@ class ForwardOps:
             "function.")
       pywrap_tfe.TFE_Py_TapeSetRestartOnThread()
       self._hidden = hidden
+      aside.extend(hidden)
     self._inner_tapes += 1
 
   def inner_tape_exited(self):
     self._inner_tapes -= 1
     if self._inner_tapes == 0:
       pywrap_tfe.TFE_Py_TapeSetStopOnThread()
+      aside = _thread_list("aside")
       for t in self._hidden:
         tape_lib.push_tape(t._tape)  # pylint: disable=protected-access
+        aside.remove(t)
       self._hidden = []
 
 
@@ -301,6 +381,19 @@ def capture_origin(tensor):
       break
     tensor = origin
   return tensor
+
+
+def record_capture(tensor):
+  """Ties `tensor`, a function graph's capture, to what it captured on the
+  gradient tapes recording now, as a use of the capture in user code does
+  (TensorFlow records the tie at every use, so a use while recording was
+  stopped left none)."""
+  captures = getattr(getattr(tensor, "graph", None), "captures", ())
+  origin = next((e for e, internal in captures if internal is tensor), None)
+  if origin is not None and origin.dtype != tf.resource:
+    record.record_operation("captured_value", [tensor], [origin],
+                            backward_function=lambda x: [x],
+                            forward_function=lambda x: [x])
 
 
 def _handle(variable):
