@@ -404,8 +404,7 @@ class _Call:
     for i, value in enumerate(recorded.before):
       add("keras", value, index=i)
     keras_backing = {id(getattr(v, "_value", v)) for v in recorded.variables}
-    keras_backing |= {id(state.capture_origin(state._handle(v)))  # pylint: disable=protected-access
-                      for v in recorded.variables}
+    keras_backing |= {_handle_id(v) for v in recorded.variables}
     raw = [x for x in self.leaves if isinstance(x, tf.Variable)]
     raw += [v for v in watched if isinstance(v, tf.Variable)]
     for v in raw:
@@ -420,8 +419,7 @@ class _Call:
                                    value=ops.first_read(v)))
     # Variables read without a tape watching the variable object (a
     # non-trainable tf.Variable the caller watched): found by their handles.
-    covered = keras_backing | {id(state.capture_origin(state._handle(v)))  # pylint: disable=protected-access
-                               for v in raw}
+    covered = keras_backing | {_handle_id(v) for v in raw}
     for handle, dtype in ops.read_handles():
       if id(handle) in covered or not (dtype.is_floating or dtype.is_complex):
         continue
@@ -655,6 +653,12 @@ def _compare_values(index, rerun, forward):
                f"output {index} with different values (determinism_check="
                "'values')."))
   return None
+
+
+def _handle_id(variable):
+  """Identifies a variable by its handle, followed out of captures, as
+  `state.ForwardOps.read_handles` names the variables the block read."""
+  return id(state.capture_origin(state._handle(variable)))  # pylint: disable=protected-access
 
 
 def _in_current_graph(x):
