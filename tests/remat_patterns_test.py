@@ -832,3 +832,55 @@ def test_nested_inner_tapes_and_errors_inside_them_leave_outer_tapes_working():
       capture_output=True, text=True, check=False)
   assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (
       done.returncode, done.stdout, done.stderr[-2000:])
+
+
+class _Residual(keras.layers.Layer):
+  """A residual block without a build method: Keras builds it by calling it
+  symbolically, in a scratch graph."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.inner = keras.layers.Dense(8, activation="gelu")
+    self.drop = keras.layers.Dropout(0.1, seed=1)
+    self.outer = keras.layers.Dense(4)
+
+  def call(self, x, training=None):
+    return x + self.outer(self.drop(self.inner(x), training=training))
+
+
+@parametrize_all
+def test_sequential_built_during_the_forward_pass_matches_plain(device, mode):
+  # A new keras.Sequential builds on its first call, inside the forward pass,
+  # by tracing its layers in a scratch graph; those traced ops are not part
+  # of what the forward pass computes, and the rerun does not trace them.
+  keras.utils.set_random_seed(2)
+  blocks = [_Residual() for _ in range(3)]
+  for block in blocks:
+    block(tf.zeros([1, 4]))
+  variables = [v for b in blocks for v in b.trainable_variables]
+  made = {}
+
+  def call(remat, x):
+    if remat not in made:
+      made[remat] = keras.Sequential(blocks)
+      if remat:
+        made[remat] = tfremat.RematerializationLayer(made[remat])
+    return made[remat](x, training=True)
+
+  state = [v for b in blocks for v in b.variables]  # Dropout's seed state.
+  with tf.device(device):
+    assert_parity(call, (_x(2, 4),), variables, mode, device, state=state)
+
+
+@parametrize_all
+def test_tf_function_called_inside_fn_matches_plain(device, mode):
+  # Its first call traces it inside the forward pass; under a gradient tape
+  # the rerun calls its forward variant, traced anew.
+  inner = tf.function(lambda t: tf.sin(t) * 2.0 + t)
+  w = tf.Variable(_x(4, 4, seed=3))
+
+  def call(remat, x):
+    body = lambda u: inner(tf.matmul(u, w))
+    return tfremat.RematerializeFn(body, x) if remat else body(x)
+
+  assert_parity(call, (_x(2, 4),), [w], mode, device)

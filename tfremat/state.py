@@ -146,22 +146,37 @@ def counted_op_type(op_type):
   return _STATEFUL_ALIKE.get(op_type, op_type)
 
 
+def _running_graph():
+  """The graph ops are added to now; None when executing eagerly (an eager
+  op's callback gets graph=None)."""
+  return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+
+
 class OpTypes:
   """Records the types of the ops run or built while it is open, in order:
-  what the rerun computed, to compare with `ForwardOps.op_types`."""
+  what the rerun computed, to compare with `ForwardOps.op_types`.
+
+  Only ops of the graph it was opened in count (eager ops, when opened
+  eagerly). Ops traced into other graphs come and go with caches: a new
+  keras.Sequential traces its layers in a scratch graph on its first call,
+  and a tf.function traces on its first call (and, under a tape, traces a
+  forward variant); the call and control-flow ops that run them do count.
+  """
 
   def __init__(self):
     self.op_types = []
+    self._graph = None
 
   def _callback(self, op_type, inputs, attrs, outputs, op_name=None,
                 graph=None):
-    del inputs, attrs, op_name, graph
+    del inputs, attrs, op_name
     counted = counted_op_type(op_type)
-    if counted is not None:
+    if counted is not None and graph is self._graph:
       self.op_types.append(counted)
     return outputs
 
   def __enter__(self):
+    self._graph = _running_graph()
     op_callbacks.add_op_callback(self._callback)
     return self
 
@@ -279,6 +294,9 @@ class ForwardOps:
               selective.in_graph(origin, self._graph), outputs[0].dtype)
       finally:
         self._reading = False
+      # Made inside a callback, it is not seen by one: mark it computed, or
+      # a forward-graph op reading it later would take it for a closure.
+      self._seen.add(id(read))
       entry = self._reads[id(origin)] = (origin, read)
     return [selective.in_graph(entry[1], graph)]
 
@@ -297,7 +315,7 @@ class ForwardOps:
         self._undoing = False
       raise
     counted = counted_op_type(op_type)
-    if counted is not None:
+    if counted is not None and graph is self._graph:  # As OpTypes counts.
       self.op_types.append(counted)
     for t in inputs:
       if id(t) not in self._seen:
@@ -319,8 +337,7 @@ class ForwardOps:
     return outputs
 
   def __enter__(self):
-    if not tf.executing_eagerly():
-      self._graph = tf.compat.v1.get_default_graph()
+    self._graph = _running_graph()
     # A new callback per block: nested rematerialized calls each add and
     # remove their own (TensorFlow keeps one registration per callback).
     op_callbacks.add_op_callback(self._callback)
