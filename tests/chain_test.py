@@ -2,6 +2,8 @@
 planner's budgets checked against measured peaks."""
 
 
+import dataclasses
+
 import keras
 import numpy as np
 import pytest
@@ -138,17 +140,6 @@ def test_policies_keeping_the_same_tensors_share_one_timing(monkeypatch):
   assert dots[0] > masks[0]
 
 
-# How far a later measurement of a plan may exceed its budget. The planner
-# accepts a plan whose largest of CHECK_CALLS peaks is within
-# MEASUREMENT_SLACK of it; another call's may be higher, as the executor's
-# threads order independent ops differently (README, "Choosing what to
-# rematerialize"). Measured on the small MLP's 45% plans: 1.06x in CI, and
-# 1.10x-1.14x in four of eight runs here, before and after this bound was
-# set (it was MEASUREMENT_SLACK); in eight more runs, 0.75x-1.14x. A plan
-# that ignored its budget would peak at about twice it.
-_LATER_SLACK = 1.20
-
-
 @pytest.mark.parametrize("model", ["mlp", "transformer"])
 def test_budgets_hold_when_measured(model):
   blocks, x = _chain(model)
@@ -165,27 +156,23 @@ def test_budgets_hold_when_measured(model):
   assert planner.segment_policies(costs) == names
   # Two budgets that make the planner rematerialize much of these short
   # chains (at 30% no plan fits them; the bench sweep runs 30%-100% on
-  # longer ones). Short chains keep the suite under 8 minutes.
+  # longer ones). Short chains keep the suite under 10 minutes.
   for fraction in (0.45, 0.65):
     budget = int(fraction * full)
     chosen = chain.checked_plan(blocks, budget, x, costs=costs)
-    # The planner's own check: its plan's largest of CHECK_CALLS peaks.
-    assert chosen.measured_peak_bytes <= planner.MEASUREMENT_SLACK * budget, (
-        fraction, str(chosen))
-    # Measured again, on a fresh layer: the bound the budget promises, with
-    # room for the call-to-call spread of this small chain's peak.
-    measured = chain.measure_peak(
-        tfremat.RematSequential(blocks, chosen.segments), x)
-    assert measured <= _LATER_SLACK * budget, (
-        fraction, measured, budget, str(chosen))
+    # The planner's own check: its plan's bound for later calls.
+    assert chosen.measured.bound_bytes <= budget, (fraction, str(chosen))
+    # Measured again, on a fresh layer: every call within the budget.
+    later = chain.measure_peaks(
+        tfremat.RematSequential(blocks, chosen.segments), x,
+        calls=chain.CHECK_CALLS)
+    assert max(later) <= budget, (fraction, later, budget, str(chosen))
     assert any(chosen.rematerialized)
-  # A budget a little over the measured peak keeps everything. The planner
-  # measures keeping everything again, and its largest of CHECK_CALLS peaks
-  # was 1.046x `full` in one of eight runs on the MLP (budget=full would
-  # leave 5%). Reusing the costs: measuring them again took 15 s of this
+  # A budget over the measured peak by more than its spread keeps
+  # everything. Reusing the costs: measuring them again took 15 s of this
   # test's 64 on the transformer ("100%" through remat_sequential is
   # test_plan_prints_the_same_after_a_keras_file's).
-  chosen = chain.checked_plan(blocks, int(1.1 * full), x, costs=costs)
+  chosen = chain.checked_plan(blocks, int(1.25 * full), x, costs=costs)
   assert not any(chosen.rematerialized), (full, str(chosen))
 
 def _bn_dropout_chain():
@@ -238,7 +225,7 @@ def test_bad_budgets_fail_before_anything_is_measured(
     raise AssertionError("measured before the budget was checked")
 
   monkeypatch.setattr(chain, "measure_layer", measured)
-  monkeypatch.setattr(chain, "measure_peak", measured)
+  monkeypatch.setattr(chain, "measure_peaks", measured)
   blocks = models.residual_mlp(2, 4, dropout=0.0, residual_inside=True)
   with pytest.raises(error, match=match):
     tfremat.remat_sequential(blocks, budget=given,
@@ -250,8 +237,8 @@ def test_bad_budgets_fail_before_anything_is_measured(
 def test_checked_plan_shows_progress_without_escape_codes_in_a_log(
     monkeypatch, capsys):
   costs = random_costs(np.random.default_rng(6), 8)
-  monkeypatch.setattr(chain, "measure_peak", lambda layer, x, calls: int(
-      planner.predict(costs, layer.segments)[0]))
+  monkeypatch.setattr(chain, "measure_peaks", lambda layer, x, calls: [int(
+      planner.predict(costs, layer.segments)[0])])
   layers = [keras.layers.Identity() for _ in costs]
   budget = 0.5
   chain.checked_plan(layers, budget, None, costs=costs, verbose=1)
@@ -281,3 +268,28 @@ def test_plan_prints_the_same_after_a_keras_file(tmp_path):
   assert str(loaded.plan) == str(layer.plan)
   assert "100% of the measured peak of keeping" in str(loaded.plan)
   assert loaded.segments == layer.segments
+
+
+def test_identical_layers_are_measured_once_and_share_their_costs(
+    monkeypatch):
+  measured = []
+  real = chain.measure_layer
+
+  def counting(layer, x, *args, **kwargs):
+    measured.append(layer.name)
+    return real(layer, x, *args, **kwargs)
+
+  monkeypatch.setattr(chain, "measure_layer", counting)
+  # Four identical blocks (their dropout seeds differ, which changes no
+  # cost), then one of another width.
+  blocks = models.residual_mlp(4, 16, dropout=0.1, residual_inside=True)
+  other = keras.Sequential([keras.layers.Dense(24), keras.layers.Dense(16)])
+  x = tf.random.stateless_normal([32, 16], seed=[1, 2])
+  costs = chain.measure_chain(blocks + [other], x, repeats=1)
+  assert measured == [blocks[0].name, other.name]
+  assert [c.name for c in costs] == [l.name for l in blocks + [other]]
+  first = dataclasses.replace(costs[0], name="")
+  assert all(dataclasses.replace(c, name="") == first for c in costs[1:4])
+  assert chain.structure_key(blocks[0], x) != chain.structure_key(
+      blocks[0], x[:16])
+

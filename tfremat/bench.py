@@ -272,8 +272,7 @@ def _schemes_and_plans(fractions, progress):
     r["budget_bytes"] = (None if r["budget_fraction"] is None else
                          int(r["budget_fraction"] * full))
     r["fits"] = (None if r["budget_bytes"] is None else
-                 r["peak_bytes"] <= planner.MEASUREMENT_SLACK *
-                 r["budget_bytes"])
+                 r["peak_bytes"] <= r["budget_bytes"])
   return rows
 
 

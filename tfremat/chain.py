@@ -236,11 +236,11 @@ def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
   progress = measure.progress_bar(steps + rounds, "measurement", verbose)
 
   def measured_peak(segments):
-    peak = measure_peak(RematSequential(layers, segments), sample_input,
-                        calls=CHECK_CALLS)
+    peaks = measure_peaks(RematSequential(layers, segments), sample_input,
+                          calls=CHECK_CALLS)
     if progress is not None:
       progress.add(1)
-    return peak
+    return peaks
 
   with _variables_restored(layers, sample_input), retracing_quiet():
     if costs is None:
@@ -409,24 +409,74 @@ def measure_layer(layer, x, repeats=5, policies=()):
   return cost, y
 
 
-# A plan is accepted on the largest peak of this many calls of its step. One
-# plan's peak varies widely from call to call: on the tests' 16-block MLP,
-# 22.1-27.6 MiB over 30 calls. A largest-of-5 that the planner accepted
-# (24.1 MiB) was then exceeded by 9% by another largest-of-5 (29.2 MiB
-# against a 26.7 MiB budget, in CI): the 5% allowance covers a later
-# measurement only if the planner saw nearly the whole spread.
+# A plan's measured bound (`planner.Measured`) comes from this many calls of
+# its step.
 CHECK_CALLS = 3 * measure.PEAK_CALLS
 
 
 def measure_peak(layer, x, calls=measure.PEAK_CALLS):
   """Measured peak bytes of one training step (forward + backward) of
   `layer` on `x`, the quantity a budget bounds: the largest of `calls`."""
-  return measure.peak_bytes(training_step(layer), x, calls=calls)
+  return max(measure_peaks(layer, x, calls))
+
+
+def measure_peaks(layer, x, calls=measure.PEAK_CALLS):
+  """Every call's peak bytes of `calls` training steps of `layer` on `x`."""
+  return measure.peaks(training_step(layer), x, calls=calls)
+
+
+def structure_key(layer, x, policies=()):
+  """A key that structurally identical layers share, or None.
+
+  Two layers share it when they are of the same class, with the same
+  configuration apart from names and random seeds (which change no cost), the
+  same weight shapes and dtypes, on inputs of the same shape and dtype, and
+  measured under the same save policies: a transformer's or a ResNet
+  stage's repeated blocks. `measure_chain` measures one of them and reuses
+  its costs for the rest. A layer whose configuration Keras cannot give
+  (a custom layer without `get_config`) has none, and is always measured.
+  """
+  try:
+    config = layer.get_config()
+  except (NotImplementedError, TypeError, ValueError, AttributeError):
+    return None
+  found = list(layer._flatten_layers(include_self=True))  # pylint: disable=protected-access
+  for l in found:  # A functional model's operation layers (`x + y`) too.
+    found += [m for m in getattr(l, "operations", getattr(l, "layers", ()))
+              if m not in found]
+  names = {l.name: f"<layer {i}>" for i, l in enumerate(found)}
+
+  def scrub(value):
+    if isinstance(value, dict):
+      return tuple(sorted((k, scrub(v)) for k, v in value.items()
+                          if k != "seed"))
+    if isinstance(value, (list, tuple)):
+      return tuple(scrub(v) for v in value)
+    if isinstance(value, str):
+      return names.get(value, value)
+    return value if isinstance(value, (int, float, bool, type(None))) else (
+        repr(value))
+
+  weights = tuple((tuple(w.shape), str(w.dtype), w.trainable)
+                  for w in layer.weights)
+  inputs = tuple((tuple(t.shape), str(t.dtype)) for t in tf.nest.flatten(x))
+  return (type(layer).__module__, type(layer).__qualname__, scrub(config),
+          weights, inputs, tuple(policies))
+
+
+# Rematerialized segments' extra cost for waiting recomputes is timed on at
+# most this many of the chain's first layers (`measure_chain`).
+WAITING_PROBE_LAYERS = 4
 
 
 def measure_chain(layers, sample_input, repeats=5, progress=None,
                   policies=()):
   """Measures each layer of a chain in turn; returns a list of LayerCost.
+
+  Structurally identical layers (`structure_key`) are measured once: the
+  others get the first one's costs under their own names, so the planner
+  sees them as equal (noise cannot rank equals) and a chain of many repeated
+  blocks plans in about the time of its distinct ones.
 
   Then measures what long rematerialized segments cost beyond their layers'
   forward times. Recomputing a segment of k layers and then running its
@@ -434,30 +484,39 @@ def measure_chain(layers, sample_input, repeats=5, progress=None,
   the benchmark's models on a 2-core CPU machine: 3-6% of the whole step for
   one segment over the chain), presumably because each layer's recomputed
   tensors are no longer fresh in cache when its backward pass reads them. So
-  the chain is timed both ways, `repeats` times round-robin, and the
-  difference is spread over the layers that wait, in proportion to their
-  forward time, as `waiting_recompute_seconds`.
+  the chain's first `WAITING_PROBE_LAYERS` layers are timed both ways,
+  `repeats` times round-robin, and the difference, as a fraction of the
+  forward time of the layers that waited, is spread over every layer in
+  proportion to its forward time, as `waiting_recompute_seconds`.
 
   `progress`, a Keras Progbar if given, advances by one per layer and one for
   the chain's timing. `policies` are built-in save policies' names to
   measure each layer under (`measure_layer`).
   """
   advance = progress.add if progress is not None else lambda _: None
-  costs, x = [], tf.convert_to_tensor(sample_input)
+  costs, x, measured = [], tf.convert_to_tensor(sample_input), {}
   for layer in layers:
-    cost, x = measure_layer(layer, x, repeats, policies)
+    key = structure_key(layer, x, policies)
+    if key is not None and key in measured:
+      cost = dataclasses.replace(measured[key], name=layer.name)
+      x = layer(x, training=False)  # The next layer's input, as an input.
+    else:
+      cost, x = measure_layer(layer, x, repeats, policies)
+      if key is not None:
+        measured[key] = cost
     costs.append(cost)
     advance(1)
   if len(costs) < 2:
     return costs
-  n, x = len(layers), tf.convert_to_tensor(sample_input)
-  steps = [training_step(RematSequential(layers, segments))
+  n = min(len(layers), WAITING_PROBE_LAYERS)
+  probe, x = layers[:n], tf.convert_to_tensor(sample_input)
+  steps = [training_step(RematSequential(probe, segments))
            for segments in ([planner.Segment(i, i + 1, True)
                              for i in range(n)],
                             [planner.Segment(0, n, True)])]
   singles, whole = measure.median_seconds(steps, x, repeats=repeats)
   advance(1)
-  waiting = sum(c.forward_seconds for c in costs[:-1])
+  waiting = sum(c.forward_seconds for c in costs[:n - 1])
   ratio = max(0.0, whole - singles) / waiting if waiting else 0.0
   return [dataclasses.replace(
       c, waiting_recompute_seconds=ratio * c.forward_seconds) for c in costs]

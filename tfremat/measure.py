@@ -97,20 +97,25 @@ def peak_bytes(step, *args, calls=PEAK_CALLS, warmup=True, **kwargs):
       (the message says how to turn them on).
     ValueError: `calls` is not a positive int.
   """
+  return max(peaks(step, *args, calls=calls, warmup=warmup, **kwargs))
+
+
+def peaks(step, *args, calls=PEAK_CALLS, warmup=True, **kwargs):
+  """Every call's peak, as `peak_bytes` measures them: a list of ints."""
   if isinstance(calls, bool) or not isinstance(calls, int) or calls < 1:
     raise ValueError(f"calls must be a positive int; got {calls!r}.")
   device = memory_device()
   _check_statistics(device)
   if warmup:
     _wait(step(*args, **kwargs))
-  peaks = []
+  found = []
   for _ in range(calls):
     tf.config.experimental.reset_memory_stats(device)
     baseline = tf.config.experimental.get_memory_info(device)["current"]
     _wait(step(*args, **kwargs))
-    peaks.append(
-        tf.config.experimental.get_memory_info(device)["peak"] - baseline)
-  return int(max(peaks))
+    found.append(int(
+        tf.config.experimental.get_memory_info(device)["peak"] - baseline))
+  return found
 
 
 def replicated(fn, jit_compile=False):

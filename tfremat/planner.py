@@ -32,10 +32,36 @@ import numpy as np
 from tfremat import measure
 
 
-# A measured peak may exceed a budget by this factor and still count as
-# within it: allocator rounding and the order in which the executor runs
-# independent ops move a step's peak from one call to the next.
-MEASUREMENT_SLACK = 1.05
+@dataclasses.dataclass(frozen=True)
+class Measured:
+  """A plan's measured peaks over several calls of its training step.
+
+  On the graph executor one plan's peak varies from call to call, since the
+  executor's threads order independent ops differently (XLA runs a compiled
+  step the same way every time). A budget must hold for every later call,
+  so a plan is held to a bound above what was measured: the largest peak
+  plus the spread (largest less smallest) of the calls.
+
+  Attributes:
+    peak_bytes: the largest peak of the calls.
+    bound_bytes: the bound a budget is compared with.
+    calls: how many calls were measured.
+  """
+  peak_bytes: int
+  bound_bytes: int
+  calls: int = 1
+
+  @classmethod
+  def of(cls, value):
+    """A Measured from a list of per-call peaks, a Measured, or one int (a
+    single peak, its own bound)."""
+    if isinstance(value, Measured):
+      return value
+    if isinstance(value, (list, tuple)):
+      top, low = int(max(value)), int(min(value))
+      return cls(top, 2 * top - low, len(value))
+    return cls(int(value), int(value))
+
 
 @dataclasses.dataclass(frozen=True)
 class LayerCost:
@@ -344,10 +370,9 @@ class Plan:
     budget: the Budget as given (bytes or a fraction), or None.
     peak_bytes, seconds: the cost model's peak and step time for this plan.
     baseline_peak_bytes, baseline_seconds: the same for keeping everything.
-    measured_peak_bytes: this plan's measured peak (set when
-      `remat_sequential` checks it), else None.
-    measured_keep_peak_bytes: the measured peak of keeping everything, else
-      None.
+    measured: this plan's measured peaks (a `Measured`, set when
+      `calibrated_plan` checks it), else None.
+    measured_keep: the same for keeping everything, else None.
   """
 
   def __init__(self, costs, segments, budget_bytes=None, budget=None):
@@ -356,10 +381,20 @@ class Plan:
     self.budget_bytes = budget_bytes
     self.budget = budget
     self.peak_bytes, self.seconds = predict(costs, segments)
-    self.measured_peak_bytes = None
-    self.measured_keep_peak_bytes = None
+    self.measured = None
+    self.measured_keep = None
     self.baseline_peak_bytes, self.baseline_seconds = predict(
         costs, keep_all(len(costs)))
+
+  @property
+  def measured_peak_bytes(self):
+    """The largest measured peak of this plan's step, or None."""
+    return self.measured.peak_bytes if self.measured else None
+
+  @property
+  def measured_keep_peak_bytes(self):
+    """The largest measured peak of keeping everything, or None."""
+    return self.measured_keep.peak_bytes if self.measured_keep else None
 
   @property
   def rematerialized(self):
@@ -373,8 +408,10 @@ class Plan:
         "segments": [s.as_list() for s in self.segments],
         "budget_bytes": self.budget_bytes,
         "budget": dataclasses.asdict(self.budget) if self.budget else None,
-        "measured_peak_bytes": self.measured_peak_bytes,
-        "measured_keep_peak_bytes": self.measured_keep_peak_bytes,
+        "measured": (dataclasses.asdict(self.measured) if self.measured
+                     else None),
+        "measured_keep": (dataclasses.asdict(self.measured_keep)
+                          if self.measured_keep else None),
     }
 
   @classmethod
@@ -384,44 +421,55 @@ class Plan:
                  [Segment(*s) for s in config["segments"]],
                  config.get("budget_bytes"),
                  Budget(**budget) if budget else None)
-    result.measured_peak_bytes = config.get("measured_peak_bytes")
-    result.measured_keep_peak_bytes = config.get("measured_keep_peak_bytes")
+    for name in ("measured", "measured_keep"):
+      if config.get(name):
+        setattr(result, name, Measured(**config[name]))
     return result
 
-  def __str__(self):
+  def _layer_rows(self):
     mib = measure.format_bytes
-    lines = [f"{'layer':<24}{'decision':<26}{'saved':>11}{'output':>11}"
-             f"{'fwd ms':>9}{'wait ms':>9}"]
+    rows = [f"{'layer':<24}{'decision':<22}{'stored':>11}{'output':>11}"
+            f"{'fwd ms':>9}{'wait ms':>9}"]
     for k, seg in enumerate(self.segments):
       for i in range(seg.start, seg.stop):
         c = self.costs[i]
-        what = f"remat segment {k}" if seg.remat else "keep"
-        if seg.policy:
-          what = f"remat {k}: {_SHORT.get(seg.policy, seg.policy)}"
-        lines.append(f"{c.name[:23]:<24}{what:<26}{mib(c.saved_bytes):>11}"
-                     f"{mib(c.output_bytes):>11}"
-                     f"{1000 * c.forward_seconds:>9.2f}"
-                     f"{1000 * c.waiting_recompute_seconds:>9.2f}")
+        if not seg.remat:
+          what, stored = "keep", c.saved_bytes
+        else:
+          what = f"remat {k}"
+          if seg.policy:
+            what += f", {short_policy_name(seg.policy)}"
+          stored = c.kept_bytes(seg.policy)
+        rows.append(f"{c.name[:23]:<24}{what:<22}{mib(stored):>11}"
+                    f"{mib(c.output_bytes):>11}"
+                    f"{1000 * c.forward_seconds:>9.2f}"
+                    f"{1000 * c.waiting_recompute_seconds:>9.2f}")
+    return rows
+
+  def _summary_rows(self):
     # Measured figures are compared with measured ones, the cost model's with
     # the cost model's, and every line says which it is.
-    rows, keep = [], self.measured_keep_peak_bytes
+    mib, rows = measure.format_bytes, []
+    keep = self.measured_keep_peak_bytes
     if self.budget_bytes is not None:
       given = ""
       if self.budget is not None and self.budget.fraction is not None:
         given = (f"{self.budget.fraction:.0%} of the measured peak of keeping "
                  "everything" + (f" ({mib(keep)})" if keep else ""))
       rows.append(("budget", mib(self.budget_bytes), given))
-    if self.measured_peak_bytes is not None:
+    if self.measured is not None:
+      m = self.measured
+      versus = (f"; {m.peak_bytes / keep:.2f}x of keeping everything's"
+                if keep else "")
+      rows.append(("measured peak", mib(m.peak_bytes),
+                   f"the largest of {m.calls} calls{versus}"))
       verdict = ""
       if self.budget_bytes is not None:
-        verdict = ("within the budget"
-                   if self.measured_peak_bytes <= self.budget_bytes else
-                   f"over the budget, within the {MEASUREMENT_SLACK - 1:.0%} "
-                   "allowance for call-to-call variation")
-      versus = (f"{self.measured_peak_bytes / keep:.2f}x of keeping "
-                f"everything, measured ({mib(keep)})" if keep else "")
-      rows.append(("measured peak", mib(self.measured_peak_bytes),
-                   "; ".join(t for t in (verdict, versus) if t)))
+        verdict = ("; within the budget" if m.bound_bytes <= self.budget_bytes
+                   else "; over the budget")
+      rows.append(("bound", mib(m.bound_bytes),
+                   f"for every later call: largest + spread of the {m.calls} "
+                   f"calls{verdict}"))
     rows.append(("cost model's peak", mib(self.peak_bytes),
                  f"{self.peak_bytes / self.baseline_peak_bytes:.2f}x of "
                  f"keeping everything, by the model "
@@ -429,13 +477,23 @@ class Plan:
     rows.append(("cost model's time", f"{1000 * self.seconds:.1f} ms",
                  f"{100 * (self.seconds / self.baseline_seconds - 1):+.1f}% "
                  "over keeping everything, by the model"))
-    lines += [f"{name:<19}{value:>11}  {note}".rstrip()
-              for name, value, note in rows]
-    if (self.measured_peak_bytes is not None and
-        self.budget_bytes is not None and self.peak_bytes > self.budget_bytes):
-      lines.append("(The cost model's peaks are estimates; the plan was "
-                   "chosen on its measured peak.)")
-    return "\n".join(lines)
+    return [f"{name:<19}{value:>11}  {note}".rstrip()
+            for name, value, note in rows]
+
+  def __str__(self):
+    return "\n".join(self._layer_rows() + self._summary_rows() + [LEGEND])
+
+
+LEGEND = """\
+decision: keep (the layer's activations are stored for the backward pass) or
+  remat k (segment k's layers rerun in the backward pass; only its last
+  output is stored, and what its save policy keeps, if one is named).
+stored: what the layer stores for the backward pass under this decision,
+  beyond its output. output: its output. fwd ms: one forward call (what
+  rerunning it costs). wait ms: what its rerun adds when it waits for later
+  layers of its segment to rerun. Structurally identical layers are measured
+  once and share their figures. The cost model's figures are estimates; a
+  plan is chosen on its measured bound."""
 
 
 def calibrated_plan(costs, budget, measured_peak, rounds=4):
@@ -447,12 +505,12 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4):
   time (more is rematerialized than needed); one that is too low breaks the
   budget. So:
 
-  1. Keeping everything is measured and chosen if it fits (within
-     `MEASUREMENT_SLACK`, for a peak's call-to-call variation).
+  1. Keeping everything is measured and chosen if its bound (`Measured`)
+     fits.
   2. That measurement calibrates the model: plans are made for the budget
-     times (predicted / measured peak of keeping everything).
+     times (predicted / measured bound of keeping everything).
   3. Each plan is measured, and the model is recalibrated on it: the next
-     target is that plan's predicted peak times budget / its measured peak
+     target is that plan's predicted peak times budget / its measured bound
      (below its predicted peak if it did not fit). This stops after `rounds`
      plans, when a plan fits and no faster one is predicted to, or when a
      target gives a plan already measured.
@@ -461,37 +519,38 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4):
     costs: the chain's LayerCosts.
     budget: a Budget, or what `Budget.parse` reads; a fraction is of the
       measured peak of keeping everything.
-    measured_peak: segments -> the measured peak bytes of a training step
-      of the chain under them (`tfremat.chain.checked_plan` measures).
+    measured_peak: segments -> the measured peaks of a training step of the
+      chain under them: a list of per-call peaks, a `Measured`, or one int
+      (`tfremat.chain.checked_plan` measures).
     rounds: how many plans to measure at most, besides keeping everything.
 
   Returns:
-    The fastest (by the model) plan measured within the budget, else the
-    lowest one within the slack, with its budget and measured peaks set.
+    The fastest (by the model) plan whose measured bound is within the
+    budget, with its budget and measurements set.
 
   Raises:
-    ValueError: no plan fits (the message gives the smallest budget that
-      the calibrated model predicts to fit), or none measured within the
-      budget.
+    ValueError: no plan fits. The message gives the lowest fraction of the
+      keep-everything peak measured or predicted, and what dominates it.
   """
   budget = Budget.parse(budget)
   keep = Plan(costs, keep_all(len(costs)))
-  keep_peak = keep.measured_peak_bytes = measured_peak(keep.segments)
+  keep.measured = Measured.of(measured_peak(keep.segments))
+  keep_peak = keep.measured.peak_bytes
   budget_bytes = budget.bytes_given(keep_peak)
-  chosen = _calibrated(costs, keep, budget_bytes, measured_peak, rounds)
+  chosen = _calibrated(costs, keep, budget, budget_bytes,
+                       lambda s: Measured.of(measured_peak(s)), rounds)
   chosen.budget, chosen.budget_bytes = budget, budget_bytes
-  chosen.measured_keep_peak_bytes = keep_peak
+  chosen.measured_keep = keep.measured
   return chosen
 
 
-def _calibrated(costs, keep, budget_bytes, measured_peak, rounds):
+def _calibrated(costs, keep, budget, budget_bytes, measured_peak, rounds):
   """`calibrated_plan`'s search, from the measured keep-everything plan."""
-  limit = budget_bytes * MEASUREMENT_SLACK
   # Keeping everything is the fastest plan; use it whenever it really fits,
   # whatever the model predicts.
-  if keep.measured_peak_bytes <= limit:
+  if keep.measured.bound_bytes <= budget_bytes:
     return keep
-  scale = keep.peak_bytes / max(1, keep.measured_peak_bytes)
+  scale = keep.peak_bytes / max(1, keep.measured.bound_bytes)
   target, tried = int(budget_bytes * scale), {}
   for _ in range(rounds):
     try:
@@ -499,35 +558,71 @@ def _calibrated(costs, keep, budget_bytes, measured_peak, rounds):
     except ValueError:
       if tried:
         break  # The model has no smaller plan; use what was measured.
-      raise infeasible_budget_error(
-          budget_bytes, math.ceil(smallest_budget(costs) / scale),
-          "by the cost model calibrated on keeping everything") from None
+      raise unreachable_budget_error(
+          costs, budget, budget_bytes, keep.measured.peak_bytes,
+          math.ceil(smallest_budget(costs) / scale), measured=False) from None
     key = tuple(chosen.segments)
     if key in tried:
       break  # Converged: this target gives a plan already measured.
-    chosen.measured_peak_bytes = measured_peak(chosen.segments)
+    chosen.measured = measured_peak(chosen.segments)
     tried[key] = chosen
     # Recalibrate on this plan: the target at which the model's peak, scaled
-    # by this plan's measured / predicted ratio, meets the budget.
-    scaled = int(chosen.peak_bytes * budget_bytes /
-                 max(1, chosen.measured_peak_bytes))
-    if chosen.measured_peak_bytes > budget_bytes:
+    # by this plan's measured bound / predicted peak, meets the budget.
+    bound = max(1, chosen.measured.bound_bytes)
+    scaled = int(chosen.peak_bytes * budget_bytes / bound)
+    if bound > budget_bytes:
       target = min(scaled, chosen.peak_bytes - 1)  # Below this plan.
     elif scaled > target:
       target = scaled  # Room left: try a faster plan.
     else:
       break  # It fits, and no faster plan is predicted to.
-  # A plan should fit as measured; the slack is for measuring it again.
-  fitting = [p for p in tried.values()
-             if p.measured_peak_bytes <= budget_bytes]
+  fitting = [p for p in tried.values() if p.measured.bound_bytes <= budget_bytes]
+  # A plan above keeping everything is never worth its time.
+  fitting = [p for p in fitting
+             if p.measured.peak_bytes <= keep.measured.peak_bytes]
   if fitting:
     return min(fitting, key=lambda p: p.seconds)
-  lowest = min(tried.values(), key=lambda p: p.measured_peak_bytes)
-  if lowest.measured_peak_bytes <= limit:
-    return lowest
-  raise ValueError(
-      f"No plan measured within {budget_bytes / 2**20:.1f} MiB (lowest: "
-      f"{lowest.measured_peak_bytes / 2**20:.1f} MiB). Raise the budget.")
+  lowest = min(tried.values(), key=lambda p: p.measured.bound_bytes)
+  raise unreachable_budget_error(costs, budget, budget_bytes,
+                                 keep.measured.peak_bytes,
+                                 lowest.measured.bound_bytes, measured=True)
+
+
+def floor_terms(costs):
+  """What a training step holds however much is rematerialized, by the cost
+  model: (description, bytes) pairs, largest first."""
+  grads = sum(c.weight_grad_bytes for c in costs)
+  ends = costs[0].input_bytes + costs[-1].output_bytes
+  widest = max(costs, key=lambda c: (c.saved_bytes + c.output_bytes +
+                                     max(c.forward_transient_bytes,
+                                         c.backward_transient_bytes)))
+  working = (widest.saved_bytes + widest.output_bytes +
+             max(widest.forward_transient_bytes,
+                 widest.backward_transient_bytes))
+  terms = [("the weight gradients", grads),
+           ("the chain's input and output (and their gradients)", 2 * ends),
+           (f"one layer's working set while it reruns ({widest.name})",
+            working)]
+  return sorted(terms, key=lambda t: -t[1])
+
+
+def unreachable_budget_error(costs, budget, budget_bytes, keep_peak, lowest,
+                             measured):
+  """The ValueError for a budget below the lowest peak reached: `lowest`,
+  measured (the lowest measured bound) or predicted by the calibrated model."""
+  mib = measure.format_bytes
+  how = ("the lowest bound measured" if measured else
+         "the lowest peak the cost model, calibrated by measuring, predicts")
+  asked = (f"{budget.fraction:.0%} of the keep-everything peak, "
+           if budget is not None and budget.fraction is not None else "")
+  terms = "; ".join(f"{what}: {mib(n)}" for what, n in floor_terms(costs))
+  return ValueError(
+      f"No rematerialization plan fits a budget of {asked}{mib(budget_bytes)}:"
+      f" {how} is {mib(lowest)}, {lowest / max(1, keep_peak):.0%} of the "
+      f"measured keep-everything peak ({mib(keep_peak)}). What every plan "
+      f"holds, by the cost model: {terms}. Raise the budget to at least "
+      f"{lowest / max(1, keep_peak):.0%}, or shrink the batch or the widest "
+      "layer.")
 
 
 def plan(costs, budget_bytes):
