@@ -164,8 +164,7 @@ def test_budgets_hold_when_measured(model):
     assert chosen.measured.bound_bytes <= budget, (fraction, str(chosen))
     # Measured again, on a fresh layer: every call within the budget.
     later = chain.measure_peaks(
-        tfremat.RematSequential(blocks, chosen.segments), x,
-        calls=chain.CHECK_CALLS)
+        tfremat.RematSequential(blocks, chosen.segments), x)
     assert max(later) <= budget, (fraction, later, budget, str(chosen))
     assert any(chosen.rematerialized)
   # A budget over the measured peak by more than its spread keeps

@@ -506,7 +506,7 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4):
   budget. So:
 
   1. Keeping everything is measured and chosen if its bound (`Measured`)
-     fits.
+     fits, or if the budget is 100% of it.
   2. That measurement calibrates the model: plans are made for the budget
      times (predicted / measured bound of keeping everything).
   3. Each plan is measured, and the model is recalibrated on it: the next
@@ -547,8 +547,9 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4):
 def _calibrated(costs, keep, budget, budget_bytes, measured_peak, rounds):
   """`calibrated_plan`'s search, from the measured keep-everything plan."""
   # Keeping everything is the fastest plan; use it whenever it really fits,
-  # whatever the model predicts.
-  if keep.measured.bound_bytes <= budget_bytes:
+  # whatever the model predicts, and for 100% of itself.
+  if (keep.measured.bound_bytes <= budget_bytes or
+      (budget is not None and budget.fraction == 1.0)):
     return keep
   scale = keep.peak_bytes / max(1, keep.measured.bound_bytes)
   target, tried = int(budget_bytes * scale), {}
