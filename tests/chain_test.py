@@ -14,7 +14,8 @@ from tfremat import chain
 from tfremat import measure
 from tfremat import models
 from tfremat import planner
-from conftest import assert_trees_close, random_costs
+from conftest import DEVICE_MODES, assert_parity, assert_trees_close
+from conftest import random_costs
 
 
 def test_measure_chain_spreads_the_waiting_cost_by_forward_time():
@@ -292,3 +293,46 @@ def test_identical_layers_are_measured_once_and_share_their_costs(
   assert chain.structure_key(blocks[0], x) != chain.structure_key(
       blocks[0], x[:16])
 
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+@pytest.mark.parametrize("device, mode", DEVICE_MODES)
+def test_remat_sequential_matches_plain_in_every_mode(device, mode, ordered):
+  # BatchNormalization and dropout in a kept and a rematerialized segment;
+  # ordered, a tf.function builds the chain's backward pass itself.
+  layers, x = _bn_dropout_chain()
+  layer = tfremat.RematSequential(layers, [(0, 1, False), (1, 3, True)],
+                                  ordered=ordered)
+  layer(x)  # Builds; inference changes no state.
+
+  def call(remat, h):
+    if remat:
+      return layer(h, training=True)
+    for l in layers:
+      h = l(h, training=True)
+    return h
+
+  assert_parity(call, (x,), layer.trainable_weights, mode, device,
+                state=layer.variables)
+
+
+def test_ordered_chain_peaks_the_same_on_every_call():
+  # Unordered, these plans' peaks spread over 2-9% of the keep-everything
+  # peak in 15 calls; ordered, each measured one byte count on every call.
+  blocks, x = _chain("mlp")
+  n = len(blocks)
+  half = [planner.Segment(0, n // 2, True)] + [
+      planner.Segment(i, i + 1, False) for i in range(n // 2, n)]
+  for segments in (planner.uniform_segments(n, n),
+                   planner.uniform_segments(n, "sqrt"), half):
+    peaks = chain.measure_peaks(tfremat.RematSequential(blocks, segments), x,
+                                calls=8)
+    assert max(peaks) - min(peaks) <= 0.01 * max(peaks), (segments, peaks)
+
+
+def test_ordered_is_kept_in_the_config():
+  blocks = models.residual_mlp(2, 8, dropout=0.0, residual_inside=True)
+  layer = tfremat.RematSequential(blocks, [(0, 2, True)], ordered=False)
+  again = tfremat.RematSequential.from_config(layer.get_config())
+  assert again.ordered is False
+  assert tfremat.RematSequential(blocks, [(0, 2, True)]).ordered is True
