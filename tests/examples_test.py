@@ -5,6 +5,7 @@ import pathlib
 import sys
 
 import numpy as np
+import pytest
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
@@ -31,6 +32,8 @@ def test_quickstart_trains_and_remat_matches_and_saves_memory():
   assert remat_peak < 0.6 * plain_peak
 
 
+# Slow on 2 cores: CI runs it in its second stage (pytest -m slow).
+@pytest.mark.slow
 def test_keras_transformer_learns_and_wrapping_saves_memory():
   example = _load("keras_transformer")
   sizes = dict(batch=16, seq_len=32, blocks=2, width=32, vocab=32)

@@ -14,6 +14,8 @@ from tfremat import models
 _BLOCKS, _WIDTH, _BATCH = 32, 128, 4096
 
 
+# Slow on 2 cores: CI runs them in its second stage (pytest -m slow).
+@pytest.mark.slow
 @pytest.mark.parametrize("jit", [False, True], ids=["function", "xla"])
 def test_every_block_rematerialized_peaks_at_most_035x_of_plain(jit):
   blocks = models.residual_mlp(_BLOCKS, _WIDTH, dropout=0.1)

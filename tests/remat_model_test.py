@@ -272,6 +272,8 @@ def test_chain_units_cut_where_every_path_passes():
   assert sum(isinstance(u, keras.Model) for u in units) == 2
 
 
+# Slow on 2 cores: CI runs it in its second stage (pytest -m slow).
+@pytest.mark.slow
 def test_budget_plans_a_functional_transformer_with_exact_gradients(tmp_path):
   # Large enough that half its peak is well above allocator granularity.
   model, x, _ = _flat_transformer_lm(blocks=2, seq_len=32, width=32, batch=16)

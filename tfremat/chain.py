@@ -84,9 +84,10 @@ class RematSequential(keras.layers.Layer):
     self.built = True
 
   def call(self, x, training=None):
-    if (not self.ordered or tf.executing_eagerly() or
-        not any(s.remat for s in self.segments) or control_flow_util.GraphOrParentsInXlaContext(
-            tf.compat.v1.get_default_graph())):
+    graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+    if (not self.ordered or graph is None or
+        not any(s.remat for s in self.segments) or
+        control_flow_util.GraphOrParentsInXlaContext(graph)):
       # Eager ops and XLA's compiled steps run in one order every time; a
       # chain that rematerializes nothing runs as the layers would.
       return self._run(x, training)
@@ -101,12 +102,13 @@ class RematSequential(keras.layers.Layer):
     """The chain in a graph, its forward and backward ops run in one order.
 
     The graph executor runs independent ops in whatever order its threads
-    reach them, so a step's peak memory moved from call to call (by 3-9% of
+    reach them, so a step's peak memory moved from call to call (by 2-9% of
     the keep-everything peak on the tests' MLP chain). Here every op of the
-    chain's forward pass waits for the one built before it, and so does
-    every op of its backward pass, which is built here by `tf.gradients`
-    (rematerialized segments' reruns included): one schedule, the order in
-    which the program builds them, so one peak on every call.
+    chain's forward pass waits for the one built before it (`_OpOrder`), and
+    so does every op of its backward pass, which is built here by
+    `tf.gradients` (rematerialized segments' reruns included): one schedule,
+    the order in which the program builds them, so one peak on every call
+    of the step.
     """
     order = _OpOrder()
 
@@ -179,9 +181,9 @@ class _OpOrder:
 
   Constants, placeholders, ops reading only those (variable reads, seeds'
   shapes) and ops with outputs under 64 KiB are left free: they hold no
-  activation worth ordering. An op a callback hands
-  over that is older than the last one chained (a variable read the forward
-  pass shares, `state.ForwardOps`) is left as it is.
+  activation worth ordering. An op a callback hands over that is older than
+  the last one chained (a variable read the forward pass shares,
+  `state.ForwardOps`) is left as it is.
   """
 
   def __init__(self):
@@ -197,21 +199,24 @@ class _OpOrder:
       self.loops = True
     if graph is not self.graph or not outputs:
       return outputs
+    # pylint: disable=protected-access
     op = outputs[0].op
-    newest = self.last._id if self.last is not None else self.first_id  # pylint: disable=protected-access
-    if (op.graph is not graph or op._id <= newest or  # pylint: disable=protected-access
+    newest = self.last._id if self.last is not None else self.first_id
+    if (op.graph is not graph or op._id <= newest or
         op.type in _SOURCE_OPS or
         all(t.op.type in _SOURCE_OPS for t in op.inputs) or
         _static_bytes(outputs) < _MIN_ORDERED_BYTES):
       return outputs
     if self.last is not None:
-      op._add_control_input(self.last)  # pylint: disable=protected-access
+      op._add_control_input(self.last)
     self.last = op
     return outputs
 
   def __enter__(self):
     self.graph = tf.compat.v1.get_default_graph()
-    self.first_id = max(self.graph._nodes_by_id, default=0)  # pylint: disable=protected-access
+    # Ops built from here on have larger ids.
+    # pylint: disable-next=protected-access
+    self.first_id = max(self.graph._nodes_by_id, default=0)
     self.last = None
     op_callbacks.add_op_callback(self._callback)
     return self
@@ -561,7 +566,8 @@ def structure_key(layer, x, policies=()):
     config = layer.get_config()
   except (NotImplementedError, TypeError, ValueError, AttributeError):
     return None
-  found = list(layer._flatten_layers(include_self=True))  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  found = list(layer._flatten_layers(include_self=True))
   for l in found:  # A functional model's operation layers (`x + y`) too.
     found += [m for m in getattr(l, "operations", getattr(l, "layers", ()))
               if m not in found]

@@ -577,7 +577,8 @@ def _calibrated(costs, keep, budget, budget_bytes, measured_peak, rounds):
       target = scaled  # Room left: try a faster plan.
     else:
       break  # It fits, and no faster plan is predicted to.
-  fitting = [p for p in tried.values() if p.measured.bound_bytes <= budget_bytes]
+  fitting = [p for p in tried.values()
+             if p.measured.bound_bytes <= budget_bytes]
   # A plan above keeping everything is never worth its time.
   fitting = [p for p in fitting
              if p.measured.peak_bytes <= keep.measured.peak_bytes]
