@@ -11,6 +11,13 @@ from tfremat.planner import Segment
 from conftest import random_costs
 
 
+@pytest.fixture(autouse=True)
+def _no_allocator_margin(monkeypatch):
+  # The stand-in measurements below are the cost model's own figures, with
+  # no allocator behind them; `test_allocator_margin_*` sets one.
+  monkeypatch.setattr(planner, "ALLOCATOR_MARGIN", 0.0)
+
+
 def _all_plans(n, start=0, policies=()):
   """Every plan: kept layers and rematerialized runs of any length, fully
   or under each policy."""
@@ -194,6 +201,30 @@ def test_bound_is_the_largest_peak_plus_the_spread():
   assert (measured.peak_bytes, measured.bound_bytes, measured.calls) == (
       100, 110, 3)
   assert planner.Measured.of(7) == planner.Measured(7, 7, 1)
+
+
+def test_allocator_margin_is_part_of_every_bound(monkeypatch):
+  # The same program peaks differently in another process (the BFC
+  # allocator's reuse of free chunks), so every bound carries a margin of
+  # the keep-everything peak, and the plan chosen leaves that much room.
+  monkeypatch.setattr(planner, "ALLOCATOR_MARGIN", 0.1)
+  costs = random_costs(np.random.default_rng(9), 6)
+  keep = planner.keep_all(6)
+  keep_peak = int(planner.predict(costs, keep)[0])
+  chosen = planner.calibrated_plan(costs, 0.7, _stand_in(costs))
+  margin = int(0.1 * keep_peak)
+  assert chosen.measured.margin_bytes == margin
+  assert chosen.measured.bound_bytes == chosen.measured.peak_bytes + margin
+  assert chosen.measured.peak_bytes + margin <= chosen.budget_bytes
+  assert chosen.measured_keep.bound_bytes == keep_peak + margin
+  assert f"allocator margin ({margin / 2**20:.1f} MiB)" in str(chosen)
+  again = planner.Plan.from_config(chosen.get_config())
+  assert again.measured == chosen.measured
+  # Keeping everything fits only with its margin too.
+  assert any(planner.calibrated_plan(
+      costs, keep_peak + margin - 1, _stand_in(costs)).rematerialized)
+  assert not any(planner.calibrated_plan(
+      costs, keep_peak + margin, _stand_in(costs)).rematerialized)
 
 
 def test_plan_with_a_spread_is_held_to_its_bound():
