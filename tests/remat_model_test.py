@@ -335,3 +335,35 @@ def test_budget_errors_name_the_fix():
       keras.layers.Dense(4)(inputs)))
   with pytest.raises(ValueError, match="nothing for a budget to choose"):
     remat_model(skip, budget="50%", sample_input=tf.ones([2, 4]))
+
+
+def _keras2_dense():
+  tf_keras = pytest.importorskip("tf_keras")
+  model = tf_keras.Sequential([tf_keras.layers.Dense(4, input_shape=(3,))])
+  return model, model.layers[0]
+
+
+def test_keras2_models_and_layers_are_refused_naming_keras2_and_the_way_out():
+  model, dense = _keras2_dense()
+  calls = [lambda: remat_model(model),
+           lambda: remat_model(model, budget=0.5, sample_input=np.ones([2, 3])),
+           lambda: tfremat.RematerializationLayer(dense),
+           lambda: tfremat.remat_sequential([dense], segments=1)]
+  for call in calls:
+    with pytest.raises(TypeError, match=r"Keras 2 .*tf_keras.*Keras 3.*"
+                       r"RematerializeFn"):
+      call()
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_keras2_layers_are_exact_under_rematerialize_fn(mode):
+  # What the error above offers instead.
+  _, dense = _keras2_dense()
+  x = tf.random.stateless_normal([5, 3], seed=[1, 2])
+  assert_parity(lambda remat, h: tfremat.RematerializeFn(dense, h)
+                if remat else dense(h), (x,), dense.trainable_weights, mode,
+                "/CPU:0")
+
+
+def test_chain_units_is_reachable_from_the_package():
+  assert tfremat.chain_units is chain_units

@@ -67,6 +67,7 @@ from tfremat.remat import RematerializeFn
 from tfremat.remat import RerunMismatchError
 from tfremat.remat import rematerialize
 from tfremat.policies import checkpoint_name
+from tfremat.remat_model import chain_units
 from tfremat.remat_model import remat_model
 from tfremat.residuals import saved_residuals
 from tfremat.state import UnreplayableOpError

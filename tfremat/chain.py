@@ -19,6 +19,7 @@ import tensorflow as tf
 from tensorflow.python.framework import op_callbacks
 from tensorflow.python.ops import control_flow_util
 
+from tfremat import layers as layers_lib
 from tfremat import measure
 from tfremat import planner
 from tfremat import policies as policies_lib
@@ -235,6 +236,8 @@ def _chain_layers(layers, caller):
         f"{caller} needs a list of Keras layers or a keras.Sequential; got "
         f"one {type(layers).__name__}. Pass [layer] for a chain of one.")
   layers = list(layers)
+  for l in layers:
+    layers_lib.refuse_keras2(l, caller)
   bad = [l for l in layers if not isinstance(l, keras.layers.Layer)]
   if not layers or bad:
     raise TypeError(

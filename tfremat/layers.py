@@ -16,6 +16,25 @@ from tfremat import policies
 from tfremat import remat
 
 
+def refuse_keras2(obj, caller):
+  """Raises TypeError if `obj` is a Keras 2 (tf_keras) layer or model.
+
+  Keras 2 lives on as the `tf_keras` package, which `tf.keras` is when
+  TF_USE_LEGACY_KERAS=1. Its layers are not Keras 3 layers, so without this
+  they were refused with a message that did not say why.
+  """
+  if not any(c.__module__.split(".")[0] == "tf_keras"
+             for c in type(obj).__mro__):
+    return
+  raise TypeError(
+      f"{caller} got a Keras 2 {type(obj).__name__} (from tf_keras, which is "
+      "also what tf.keras is when TF_USE_LEGACY_KERAS=1). tfremat's layers, "
+      "remat_model and remat_sequential take Keras 3 layers and models "
+      "(`import keras`, Keras 3). Build the model with Keras 3, or keep Keras "
+      "2 and rematerialize a block's call in your training step with "
+      "tfremat.RematerializeFn(lambda h: block(h, training=True), x).")
+
+
 def _unquantized(policy):
   """The wrapper's dtype policy: the wrapped layer's, without quantization.
 
@@ -54,6 +73,7 @@ class RematerializationLayer(keras.layers.Wrapper):
       policy = policies.deserialize(policy)
     elif policy is not None:
       policies.get(policy)  # A bad policy is refused before anything else.
+    refuse_keras2(layer, "RematerializationLayer")
     if not isinstance(layer, keras.layers.Layer):
       raise TypeError(
           "RematerializationLayer wraps a Keras layer (keras.layers.Layer, "

@@ -25,6 +25,7 @@ from tfremat import planner
 from tfremat import policies as policies_lib
 from tfremat import remat
 from tfremat.layers import RematerializationLayer
+from tfremat.layers import refuse_keras2
 
 MODES = ("full", "activations", "larger_than", "list_of_layers")
 
@@ -184,6 +185,7 @@ def remat_model(model, mode="full", output_size_threshold=1024,
     TypeError, ValueError: a subclassed or unbuilt model, an unknown mode,
       threshold or layer name; raised before anything is built.
   """
+  refuse_keras2(model, "remat_model")
   if budget is not None:
     return _planned(model, budget, sample_input, policies, verbose,
                     mode=mode, policy=policy, layer_names=layer_names)
