@@ -146,7 +146,8 @@ def test_modes_choose_what_keras_remat_scope_would():
                      if getattr(l, "activation", None) is not None}
   assert {l.layer.name for l in activations.layers
           if isinstance(l, RematerializeActivation)} == with_activation
-  larger = remat_model(model, "larger_than", output_size_threshold=8 * 8 * 8)
+  with pytest.warns(UserWarning, match="selects no layer"):
+    larger = remat_model(model, "larger_than", output_size_threshold=8 * 8 * 8)
   # Outputs of 8x8x8 = 512 elements are not larger than 512; none is.
   assert kinds(larger) == kinds(model)
   larger = remat_model(model, "larger_than", output_size_threshold=511)
@@ -367,3 +368,32 @@ def test_keras2_layers_are_exact_under_rematerialize_fn(mode):
 
 def test_chain_units_is_reachable_from_the_package():
   assert tfremat.chain_units is chain_units
+
+
+def _unknown_length_model():
+  # A sequence model whose length is unknown, as KerasHub backbones are.
+  tokens = keras.Input((None,), dtype="int32")
+  h = keras.layers.Embedding(50, 16, name="embed")(tokens)
+  h = keras.layers.Dense(64, activation="relu", name="up")(h)
+  return keras.Model(tokens, keras.layers.Dense(16, name="down")(h))
+
+
+def test_larger_than_warns_when_it_selects_nothing():
+  model = _unknown_length_model()
+  # Unknown dimensions count as 1: the largest output has 64 elements.
+  with pytest.warns(UserWarning, match=r"selects no layer.*sample_input"):
+    same = remat_model(model, "larger_than", output_size_threshold=100)
+  assert not _wrapped(same)
+
+
+def test_larger_than_sizes_outputs_from_a_sample_input():
+  model = _unknown_length_model()
+  batch = np.zeros([4, 32], "int32")
+  # Sized on the batch: embed and down 4*32*16 = 2048, up 8192 elements.
+  larger = remat_model(model, "larger_than", output_size_threshold=4000,
+                       sample_input=batch)
+  kinds = {l.name: type(l).__name__ for l in larger.layers}
+  assert kinds["remat_up"] == "RematerializationLayer", kinds
+  assert "remat_embed" not in kinds and "remat_down" not in kinds, kinds
+  assert_parity(lambda remat, t: (larger if remat else model)(t, training=True),
+                (batch,), model.trainable_weights, "function", "/CPU:0")

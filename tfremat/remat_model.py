@@ -16,6 +16,7 @@ activations are recomputed in the backward pass, exactly. The modes mean what
 import difflib
 import functools
 import math
+import warnings
 
 import keras
 from keras.src.models import functional
@@ -75,6 +76,26 @@ def _output_size(layer):
     sizes.append(sum(math.prod(d or 1 for d in t.shape)
                      for t in keras.tree.flatten(node.outputs)))
   return max(sizes)
+
+
+def _output_sizes(model, sample_input):
+  """Each of `model`'s own layers' largest output on `sample_input`, in
+  elements: one inference call, recorded layer by layer."""
+  graph = getattr(model, "_functional", None) or model  # A Sequential's.
+  sizes = {}
+
+  def recorded(operation):
+    def call(*args, **kwargs):
+      out = operation(*args, **kwargs)
+      size = sum(math.prod(t.shape) for t in keras.tree.flatten(out))
+      sizes[id(operation)] = max(sizes.get(id(operation), 0), size)
+      return out
+    return call
+
+  graph._run_through_graph(  # pylint: disable=protected-access
+      keras.tree.map_structure(keras.ops.convert_to_tensor, sample_input),
+      operation_fn=recorded)
+  return sizes
 
 
 def _is_graph_model(layer):
@@ -148,8 +169,9 @@ def remat_model(model, mode="full", output_size_threshold=1024,
       "full": every layer of `model`; a nested model (a transformer block
         built as a functional model, say) is rematerialized as one unit.
       "larger_than": every layer of `model` (a nested model as one unit)
-        whose output has more than `output_size_threshold` elements (an
-        unknown batch dimension counts as 1).
+        whose output has more than `output_size_threshold` elements, sized
+        on `sample_input` when given, else with each unknown dimension
+        (batch, sequence length) counted as 1.
       "activations": the activation function of every layer that has one
         (`Dense(..., activation="relu")`), inside nested models too; the
         rest of each such layer's call is kept.
@@ -170,7 +192,9 @@ def remat_model(model, mode="full", output_size_threshold=1024,
       The parts before the first cut and after the last are kept.
     sample_input: with `budget`, a batch like those the model trains on
       (under a `tf.distribute` strategy's scope, one replica's batch: each
-      measured step runs in every replica on all of it).
+      measured step runs in every replica on all of it). With
+      mode="larger_than", a batch on which outputs are sized (one inference
+      call); without it, an unknown dimension counts as 1.
     policies: with `budget`, the save policies the planner may choose.
     verbose: with `budget`, 1 shows a progress bar while measuring.
 
@@ -197,18 +221,37 @@ def remat_model(model, mode="full", output_size_threshold=1024,
           "mode=\"activations\" recomputes activation functions only, "
           "which keep nothing worth a policy.")
     policies_lib.get(policy)  # A bad policy is refused before anything is built.
+  if sample_input is not None and mode != "larger_than":
+    raise ValueError(
+        "remat_model: sample_input is for budget= or mode=\"larger_than\", "
+        f"not mode={mode!r}.")
   if mode == "full":
     choose = lambda layer: True
   elif mode == "larger_than":
-    choose = lambda layer: _output_size(layer) > output_size_threshold
+    sizes = (_output_sizes(model, sample_input) if sample_input is not None
+             else {})
+    choose = lambda layer: sizes.get(
+        id(layer), _output_size(layer)) > output_size_threshold
   elif mode == "activations":
     choose = lambda layer: getattr(layer, "activation", None) is not None
   else:
     choose = lambda layer: layer.name in layer_names
   wrapper = (RematerializeActivation if mode == "activations" else
              functools.partial(RematerializationLayer, policy=policy))
-  return _rematerialized(model, choose, wrapper,
-                         recurse=mode in ("activations", "list_of_layers"))
+  recurse = mode in ("activations", "list_of_layers")
+  if not any(choose(l) for l in
+             (_all_layers(model) if recurse else _own_layers(model))):
+    hint = ""
+    if mode == "larger_than":
+      hint = (f" No output has more than {output_size_threshold} elements"
+              + (" on sample_input." if sample_input is not None else
+                 ", counting each unknown dimension as 1 (a batch or "
+                 "sequence length); pass sample_input= (a batch) to size "
+                 "outputs from it, or lower output_size_threshold."))
+    warnings.warn(f"remat_model: mode={mode!r} selects no layer of "
+                  f"{model.name}; nothing is rematerialized.{hint}",
+                  stacklevel=2)
+  return _rematerialized(model, choose, wrapper, recurse=recurse)
 
 
 def _rematerialized(model, choose, wrapper, recurse):
