@@ -319,20 +319,6 @@ def test_remat_sequential_matches_plain_in_every_mode(device, mode, ordered):
                 state=layer.variables)
 
 
-def test_ordered_chain_peaks_the_same_on_every_call():
-  # Unordered, these plans' peaks spread over 2-9% of the keep-everything
-  # peak in 15 calls; ordered, each measured one byte count on every call.
-  blocks, x = _chain("mlp")
-  n = len(blocks)
-  half = [planner.Segment(0, n // 2, True)] + [
-      planner.Segment(i, i + 1, False) for i in range(n // 2, n)]
-  for segments in (planner.uniform_segments(n, n),
-                   planner.uniform_segments(n, "sqrt"), half):
-    peaks = chain.measure_peaks(tfremat.RematSequential(blocks, segments), x,
-                                calls=8)
-    assert max(peaks) - min(peaks) <= 0.01 * max(peaks), (segments, peaks)
-
-
 def test_ordered_is_kept_in_the_config():
   blocks = models.residual_mlp(2, 8, dropout=0.0, residual_inside=True)
   layer = tfremat.RematSequential(blocks, [(0, 2, True)], ordered=False)

@@ -30,6 +30,10 @@ GLOBAL_BATCH = 8
 # where about 80% was the least that fitted, a 90% budget failed in CI: no
 # plan measured within 8.7 MiB, the lowest 9.5 MiB.
 BUDGET = "80%"
+# The planner's allocator margin is for plans trained in a later process;
+# these are trained in the process that planned them, and the margin (10% of
+# keeping everything) would leave the plans above no room at 80%.
+tfremat.planner.ALLOCATOR_MARGIN = 0.0
 WIDE_BLOCKS = 4
 STEPS = 2
 X = np.random.RandomState(0).randn(GLOBAL_BATCH * STEPS, 6).astype("float32")
