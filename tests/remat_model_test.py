@@ -397,3 +397,9 @@ def test_larger_than_sizes_outputs_from_a_sample_input():
   assert "remat_embed" not in kinds and "remat_down" not in kinds, kinds
   assert_parity(lambda remat, t: (larger if remat else model)(t, training=True),
                 (batch,), model.trainable_weights, "function", "/CPU:0")
+
+
+def test_sample_input_with_a_mode_that_does_not_use_it_is_refused():
+  model = _unknown_length_model()
+  with pytest.raises(ValueError, match="sample_input is for budget= or"):
+    remat_model(model, "full", sample_input=np.zeros([4, 32], "int32"))
