@@ -85,28 +85,41 @@ def to_numpy(tree):
       tree)
 
 
-def assert_trees_close(actual, expected, rtol=RTOL, atol=ATOL,
-                       one_scale=False):
-  """Asserts two nests of arrays (or Nones) are equal to float rounding.
+def assert_trees_close(actual, expected, rtol=RTOL, atol=ATOL):
+  """Asserts two nests of arrays (or Nones) are equal to float rounding."""
+  actual, expected = to_numpy(actual), to_numpy(expected)
+  tf.nest.assert_same_structure(actual, expected)
+  flat_a, flat_e = tf.nest.flatten(actual), tf.nest.flatten(expected)
+  assert len(flat_a) == len(flat_e)
+  for i, (a, e) in enumerate(zip(flat_a, flat_e)):
+    assert (a is None) == (e is None), f"leaf {i}: {a!r} vs {e!r}"
+    if a is not None:
+      scale = float(np.max(np.abs(e))) if np.size(e) else 0.0
+      np.testing.assert_allclose(a, e, rtol=rtol, atol=atol + rtol * scale,
+                                 err_msg=f"leaf {i}")
 
-  Each leaf is compared against its own largest value, or, with
-  `one_scale`, against the largest value of all leaves: a gradient that is
-  zero but for float noise (a key projection's bias, which softmax cannot
-  see) is then held to the rounding of the whole computation, not to its
-  own noise.
+
+def assert_one_scale_parity(actual, expected):
+  """Equal to float rounding against the largest expected magnitude of all
+  tensors: max |diff| <= RTOL * max |expected| + ATOL.
+
+  A gradient that is zero but for float noise (a key projection's bias,
+  which softmax cannot see) is then held to the rounding of the whole
+  computation, not to its own noise.
   """
   actual, expected = to_numpy(actual), to_numpy(expected)
   tf.nest.assert_same_structure(actual, expected)
   flat_a, flat_e = tf.nest.flatten(actual), tf.nest.flatten(expected)
   assert len(flat_a) == len(flat_e)
-  largest = lambda e: float(np.max(np.abs(e))) if np.size(e) else 0.0
-  shared = max([largest(e) for e in flat_e if e is not None] + [0.0])
-  for i, (a, e) in enumerate(zip(flat_a, flat_e)):
-    assert (a is None) == (e is None), f"leaf {i}: {a!r} vs {e!r}"
-    if a is not None:
-      scale = shared if one_scale else largest(e)
-      np.testing.assert_allclose(a, e, rtol=rtol, atol=atol + rtol * scale,
-                                 err_msg=f"leaf {i}")
+  assert [a is None for a in flat_a] == [e is None for e in flat_e], (
+      "None gradients differ", flat_a, flat_e)
+  pairs = [(a, e) for a, e in zip(flat_a, flat_e) if e is not None]
+  scale = max((float(np.max(np.abs(e))) for _, e in pairs if np.size(e)),
+              default=0.0)
+  worst = max((float(np.max(np.abs(a - e))) if np.size(e) else 0.0
+               for a, e in pairs), default=0.0)
+  assert worst <= RTOL * scale + ATOL, (
+      f"max |diff| {worst:.3g} against max |expected| {scale:.3g}")
 
 
 def snapshot(variables):
@@ -170,7 +183,7 @@ def assert_parity(call, inputs, variables, mode, device, state=None):
     actual = compile_step(
         training_step(functools.partial(call, True), variables), mode)(*inputs)
     actual_state = snapshot(state)
-  assert_trees_close(actual, expected, one_scale=True)
+  assert_one_scale_parity(actual, expected)
   assert_trees_close(actual_state, expected_state)
   return actual
 

@@ -30,7 +30,7 @@ import pytest
 import tensorflow as tf
 
 import tfremat
-from conftest import MODES, RTOL, ATOL, compile_step, parity_loss, to_numpy
+from conftest import MODES, assert_one_scale_parity, compile_step, parity_loss
 
 LARGE = (32, 8)  # 256 elements: a tf.function captures it as a placeholder.
 SMALL = (2, 8)  # 16 elements: inlined as a constant.
@@ -198,22 +198,6 @@ def _step(case, depth, inner_tapes, remat):
     return y, tape.gradient(loss, [watched, list(case.variables)])
 
   return step
-
-
-def assert_one_scale_parity(actual, expected):
-  """Equal to float rounding against the largest expected magnitude."""
-  actual, expected = to_numpy(actual), to_numpy(expected)
-  flat_a, flat_e = tf.nest.flatten(actual), tf.nest.flatten(expected)
-  assert len(flat_a) == len(flat_e)
-  assert [a is None for a in flat_a] == [e is None for e in flat_e], (
-      "None gradients differ", flat_a, flat_e)
-  pairs = [(a, e) for a, e in zip(flat_a, flat_e) if e is not None]
-  scale = max(float(np.max(np.abs(e))) for _, e in pairs if np.size(e))
-  worst = max(float(np.max(np.abs(a - e))) if np.size(e) else 0.0
-              for a, e in pairs)
-  assert worst <= RTOL * scale + ATOL, (
-      f"max |diff| {worst:.3g} is {worst / scale:.3g} of max |expected| "
-      f"{scale:.3g}")
 
 
 def run_case(name, mode, depth, inner_tapes, policy):
