@@ -615,18 +615,17 @@ def _calibrated(costs, keep, budget, budget_bytes, measured_peak, rounds):
 def floor_terms(costs):
   """What a training step holds however much is rematerialized, by the cost
   model: (description, bytes) pairs, largest first."""
+  def working_set(c):
+    return (c.saved_bytes + c.output_bytes +
+            max(c.forward_transient_bytes, c.backward_transient_bytes))
+
   grads = sum(c.weight_grad_bytes for c in costs)
   ends = costs[0].input_bytes + costs[-1].output_bytes
-  widest = max(costs, key=lambda c: (c.saved_bytes + c.output_bytes +
-                                     max(c.forward_transient_bytes,
-                                         c.backward_transient_bytes)))
-  working = (widest.saved_bytes + widest.output_bytes +
-             max(widest.forward_transient_bytes,
-                 widest.backward_transient_bytes))
+  widest = max(costs, key=working_set)
   terms = [("the weight gradients", grads),
            ("the chain's input and output (and their gradients)", 2 * ends),
            (f"one layer's working set while it reruns ({widest.name})",
-            working)]
+            working_set(widest))]
   return sorted(terms, key=lambda t: -t[1])
 
 
