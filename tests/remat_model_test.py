@@ -277,8 +277,10 @@ def test_chain_units_cut_where_every_path_passes():
 @pytest.mark.slow
 def test_budget_plans_a_functional_transformer_with_exact_gradients(tmp_path):
   # Large enough that half its peak is well above allocator granularity.
-  model, x, _ = _flat_transformer_lm(blocks=2, seq_len=32, width=32, batch=16)
-  planned = remat_model(model, budget="60%", sample_input=x, verbose=0,
+  # 70%: the lowest bound measured, allocator margin (10 points) included,
+  # was 62% on a loaded machine.
+  model, x, _ = _flat_transformer_lm(blocks=2, seq_len=32, width=32, batch=64)
+  planned = remat_model(model, budget="70%", sample_input=x, verbose=0,
                         policies=("dots_with_no_batch_dims_and_masks_saveable",))
   chain = next(l for l in planned.layers
                if isinstance(l, tfremat.RematSequential))
