@@ -454,7 +454,6 @@ def training_step(layer, applications=1, jit=False):
   backward pass does not read, so a rematerialized last segment's forward
   pass would cost nothing and every timing and peak would be too low.
   """
-  weights = layer.trainable_weights
 
   def step(x):
     with tf.GradientTape() as tape:
@@ -462,6 +461,8 @@ def training_step(layer, applications=1, jit=False):
       y = x
       for _ in range(applications):
         y = layer(y, training=True)
+    # Read after the call: an unbuilt layer makes its weights in it.
+    weights = layer.trainable_weights
     # d(sum(y**2) / 2)/dy = y: the loss's gradient, without the loss's ops.
     return tape.gradient(y, [x] + weights,
                          output_gradients=tf.stop_gradient(y))
