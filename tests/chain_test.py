@@ -169,6 +169,16 @@ def test_rematerializing_every_layer_peaks_at_most_keeping_everything(name):
   if name == "residual_mlp":  # Here activations dominate: it saves much.
     assert max(peaks[every]) <= 0.5 * min(peaks[keep]), peaks
 
+def test_an_unreachable_fraction_names_the_lowest_and_what_dominates_it():
+  # Six blocks whose weight gradients (3 MiB) are as large as everything
+  # else a step holds: no plan reaches half of keeping everything.
+  blocks, x = _issue_chain("wide_hidden")
+  with pytest.raises(ValueError, match=(
+      r"(?s)budget of 50% of the keep-everything peak.*the lowest .* is "
+      r".* MiB, \d+% of the measured keep-everything peak.*What every plan "
+      r"holds, by the cost model: the weight gradients: 3.0 MiB")):
+    tfremat.remat_sequential(blocks, budget=0.5, sample_input=x, verbose=0)
+
 def test_policies_keeping_the_same_tensors_share_one_timing(monkeypatch):
   # On a layer without softmax, masks_and_softmax_saveable keeps what
   # masks_saveable keeps: timed once, they cannot be told apart by noise.
