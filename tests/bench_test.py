@@ -84,9 +84,14 @@ def test_sweep_writes_table_csv_and_plot(tmp_path):
                            "peak_bytes",
                            "peak_x_none", "step_seconds", "step_p25_seconds",
                            "step_p75_seconds", "step_x_none",
-                           "budget_fraction", "budget_bytes", "fits"]
+                           "budget_fraction", "budget_bytes", "fits",
+                           "plan_seconds"]
   planned = [r for r in rows if r["kind"] == "planner"]
   assert planned and all(r["fits"] in ("True", "False") for r in planned)
+  # The planner's rows say how long planning took; the others leave it out.
+  assert all(float(r["plan_seconds"]) > 0 for r in planned)
+  assert all(r["plan_seconds"] == "" for r in rows if r not in planned)
+  assert "plan s: seconds the planner took" in text
   assert all(int(r["budget_bytes"]) > 0 for r in planned)
   assert "fits: whether the measured peak" in text
   schemes = [r["scheme"] for r in rows]

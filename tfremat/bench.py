@@ -229,7 +229,7 @@ def _schemes_and_plans(fractions, progress):
   blocks, x = chain_and_batch(FLAGS.model, _sizes(), FLAGS.dropout)
   rows, steps = [], []
 
-  def run(name, kind, segments, fraction=None):
+  def run(name, kind, segments, fraction=None, plan_seconds=None):
     layer = tfremat.RematSequential(blocks, segments)
     step = chain.training_step(layer, jit=FLAGS.jit)
     used = sorted({planner.short_policy_name(s.policy) for s in segments
@@ -239,7 +239,7 @@ def _schemes_and_plans(fractions, progress):
                                        if s.remat),
                  "policies": " ".join(used),
                  "peak_bytes": measure.peak_bytes(step, x),
-                 "budget_fraction": fraction})
+                 "budget_fraction": fraction, "plan_seconds": plan_seconds})
     steps.append(step)
     progress.add(1)
 
@@ -253,9 +253,12 @@ def _schemes_and_plans(fractions, progress):
     run(name, "policy" if any(s.policy for s in segments) else "uniform",
         segments)
   full = rows[0]["peak_bytes"]
+  start = time.perf_counter()
   with chain.retracing_quiet():
     costs = chain.measure_chain(blocks, x, policies=names)
+  costs_seconds = time.perf_counter() - start
   for fraction in fractions:
+    start = time.perf_counter()
     try:
       chosen = chain.checked_plan(blocks, int(fraction * full), x,
                                   costs=costs)
@@ -264,7 +267,10 @@ def _schemes_and_plans(fractions, progress):
       progress.add(1)
       continue
     print(f"\nplanner at {fraction:.0%} of {full / 2**20:.1f} MiB:\n{chosen}")
-    run(f"planner {fraction:.0%}", "planner", chosen.segments, fraction)
+    # What remat_sequential(budget=...) would take: the chain's measurement
+    # (shared by the fractions here) and this fraction's checked plan.
+    run(f"planner {fraction:.0%}", "planner", chosen.segments, fraction,
+        costs_seconds + time.perf_counter() - start)
   _add_times(rows, steps, x)
   for r in rows:
     r["peak_x_none"] = _ratio(r["peak_bytes"], full)
@@ -324,7 +330,8 @@ remat: how many blocks are rematerialized; policies: the save policies the
   dots_with_no_batch_dims_saveable; masks: masks_saveable; softmax:
   softmax_saveable; +: together). budget MiB: the planner's budget, a
   fraction of the `none` row's peak; fits: whether the measured peak is
-  within it (+5% for call-to-call variation)."""
+  within it; plan s: seconds the planner took for it (measuring the chain,
+  then checking plans), as remat_sequential(budget=...) would."""
 
 
 def format_scheme_table(rows):
@@ -333,18 +340,20 @@ def format_scheme_table(rows):
   policies_wide = max([34] + [len(r["policies"]) + 1 for r in rows])
   header = (f"{'scheme':<{wide}}{'remat':>6}  {'policies':<{policies_wide}}"
             f"{'peak MiB':>9}{'x none':>8}{'step ms':>10}{'IQR ms':>14}"
-            f"{'x none':>8}{'budget MiB':>12}{'fits':>6}")
+            f"{'x none':>8}{'budget MiB':>12}{'fits':>6}{'plan s':>8}")
   lines = [header, "-" * len(header)]
   for r in rows:
     budget = ("" if r["budget_bytes"] is None else
               f"{r['budget_bytes'] / 2**20:.1f}")
     fits = "" if r["fits"] is None else "yes" if r["fits"] else "NO"
+    plan_s = ("" if r.get("plan_seconds") is None else
+              f"{r['plan_seconds']:.1f}")
     lines.append(
         f"{r['scheme']:<{wide}}{r['rematerialized']:>6}  "
         f"{r['policies']:<{policies_wide}}"
         f"{r['peak_bytes'] / 2**20:>9.1f}{r['peak_x_none']:>8.2f}"
         f"{1000 * r['step_seconds']:>10.1f}{_spread(r):>14}"
-        f"{r['step_x_none']:>8.2f}{budget:>12}{fits:>6}")
+        f"{r['step_x_none']:>8.2f}{budget:>12}{fits:>6}{plan_s:>8}")
   return "\n".join(lines)
 
 
@@ -352,14 +361,14 @@ def format_scheme_table(rows):
 CSV_COLUMNS = ("scheme", "kind", "rematerialized", "policies", "peak_bytes",
                "peak_x_none", "step_seconds", "step_p25_seconds",
                "step_p75_seconds", "step_x_none", "budget_fraction",
-               "budget_bytes", "fits")
+               "budget_bytes", "fits", "plan_seconds")
 
 
 def write_csv(rows, path):
   with open(path, "w", newline="") as f:
     writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
     writer.writeheader()
-    writer.writerows({k: r[k] for k in CSV_COLUMNS} for r in rows)
+    writer.writerows({k: r.get(k) for k in CSV_COLUMNS} for r in rows)
 
 
 def _label_offsets(boxes, height):
