@@ -63,6 +63,9 @@ from tfremat import policies
 from tfremat.layers import RematerializationLayer
 from tfremat.chain import RematSequential
 from tfremat.chain import remat_sequential
+from tfremat.in_place import is_remat_in_place
+from tfremat.in_place import remat_in_place
+from tfremat.in_place import undo_remat_in_place
 from tfremat.remat import RematerializeFn
 from tfremat.remat import RerunMismatchError
 from tfremat.remat import rematerialize
