@@ -324,6 +324,71 @@ def test_two_input_model_plans_after_the_inputs_merge():
                 "/CPU:0", state=model.variables)
 
 
+def _masked_transformer(blocks=3, seq_len=8, width=16):
+  """Token ids and a padding mask in; every block reads the mask, as a
+  KerasHub backbone's transformer layers do."""
+  keras.utils.set_random_seed(7)
+  tokens = keras.Input((seq_len,), dtype="int32", name="token_ids")
+  mask = keras.Input((seq_len,), dtype="bool", name="padding_mask")
+  h = keras.layers.Embedding(32, width)(tokens)
+  for i in range(blocks):
+    x, m = keras.Input((seq_len, width)), keras.Input((seq_len,), dtype="bool")
+    a = keras.layers.LayerNormalization()(x)
+    a = keras.layers.MultiHeadAttention(2, width // 2, dropout=0.2, seed=i)(
+        a, a, attention_mask=keras.ops.logical_and(m[:, None, :],
+                                                   m[:, :, None]))
+    y = x + a
+    y = y + keras.layers.Dense(width)(
+        keras.layers.Dense(4 * width, activation="gelu")(y))
+    h = keras.Model([x, m], y, name=f"block{i}")([h, mask])
+  model = keras.Model([tokens, mask], keras.layers.Dense(32)(h))
+  data = [tf.random.stateless_uniform([4, seq_len], seed=[1, 2], maxval=32,
+                                      dtype=tf.int32),
+          tf.sequence_mask([seq_len, 5, 3, seq_len], seq_len)]
+  return model, data
+
+
+def test_a_padding_mask_every_block_reads_does_not_break_the_chain():
+  model, _ = _masked_transformer()
+  cuts, units = chain_units(model)
+  context = [u for u in units if isinstance(u, tfremat.chain.ContextUnit)]
+  # Each block is a unit reading the mask: the chain's context.
+  assert len(context) == 3 and all(u.context_indices == [0] for u in context)
+  with pytest.raises(ValueError, match="call the RematSequential holding it "
+                     "with context="):
+    context[0](tf.zeros([4, 8, 16]))
+
+
+@pytest.mark.parametrize("step_mode", ["function", "xla"])
+def test_budget_plans_blocks_that_read_a_padding_mask_exactly(
+    step_mode, tmp_path):
+  model, data = _masked_transformer()
+  planned = remat_model(model, budget=1.0, sample_input=data, verbose=0,
+                        policies=())
+  chain = next(l for l in planned.layers
+               if isinstance(l, tfremat.RematSequential))
+  assert len(chain.chain) == 4  # Three blocks and the head.
+  assert_parity(lambda remat, inputs: (planned if remat else model)(
+      inputs, training=True), (data,), model.trainable_weights, step_mode,
+                "/CPU:0", state=model.variables)
+  # Every unit rematerialized, two blocks in one segment: exact too.
+  every = tfremat.RematSequential(chain.chain, [(0, 2, True), (2, 3, True),
+                                                (3, 4, True)])
+  tokens, mask = (keras.Input(t.shape[1:], dtype=t.dtype) for t in data)
+  embed = next(l for l in model.layers
+               if isinstance(l, keras.layers.Embedding))
+  rematerialized = keras.Model(
+      [tokens, mask], every(embed(tokens), context=[mask]))
+  assert_parity(lambda remat, inputs: (rematerialized if remat else model)(
+      inputs, training=True), (data,), model.trainable_weights, step_mode,
+                "/CPU:0", state=model.variables)
+  path = str(tmp_path / "planned.keras")
+  planned.save(path)
+  loaded = keras.models.load_model(path)
+  np.testing.assert_allclose(loaded(data), planned(data), rtol=1e-5,
+                             atol=1e-6)
+
+
 def test_budget_errors_name_the_fix():
   model, x, _ = _flat_transformer_lm(blocks=1)
   with pytest.raises(ValueError, match="needs sample_input"):

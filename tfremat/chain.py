@@ -28,6 +28,73 @@ from tfremat.layers import RematerializationLayer
 
 
 @keras.saving.register_keras_serializable(package="tfremat")
+class ContextUnit(keras.layers.Layer):
+  """A unit of a chain that also reads the chain's context.
+
+  A chain passes one tensor from unit to unit; a transformer's blocks also
+  read tensors that are live for the whole step anyway, such as a padding
+  mask or token ids. These are the chain's context: `RematSequential` takes
+  them as `context=` (a list) and hands them to each `ContextUnit`, which
+  calls `unit([x, *context[i] for i in context_indices])`. Context tensors
+  are never float: they have no gradient, and keeping them costs nothing
+  that the model does not already hold.
+
+  Called without context, as when the planner measures the unit on its own,
+  it reads `sample_context` (not saved), the context of the sample batch.
+  """
+
+  def __init__(self, unit, context_indices, sample_context=None, **kwargs):
+    super().__init__(**kwargs)
+    self.unit = unit
+    self.context_indices = [int(i) for i in context_indices]
+    self.sample_context = sample_context
+
+  def build(self, input_shape=None):
+    del input_shape  # The unit is a built functional model.
+    self.built = True
+
+  def call(self, x, context=None, training=None):
+    if context is None:
+      context = self.sample_context
+    if context is None:
+      raise ValueError(
+          f"{self.name} reads the chain's context (a padding mask, say): "
+          "call the RematSequential holding it with context=[...].")
+    return self.unit([x] + [context[i] for i in self.context_indices],
+                     training=training)
+
+  def get_config(self):
+    return {**super().get_config(),
+            "unit": keras.saving.serialize_keras_object(self.unit),
+            "context_indices": self.context_indices}
+
+  @classmethod
+  def from_config(cls, config, custom_objects=None):
+    config = dict(config)
+    unit = keras.saving.deserialize_keras_object(
+        config.pop("unit"), custom_objects=custom_objects)
+    return cls(unit, **config)
+
+
+class ContextSegment(keras.layers.Layer):
+  """A rematerialized segment's layers, run in order with the context."""
+
+  def __init__(self, layers, **kwargs):
+    super().__init__(**kwargs)
+    self.chain = list(layers)
+
+  def build(self, input_shape=None):
+    del input_shape
+    self.built = True
+
+  def call(self, x, context=None, training=None):
+    for layer in self.chain:
+      x = (layer(x, context=context, training=training)
+           if isinstance(layer, ContextUnit) else layer(x, training=training))
+    return x
+
+
+@keras.saving.register_keras_serializable(package="tfremat")
 class RematSequential(keras.layers.Layer):
   """Runs a chain of layers, rematerializing the chosen segments.
 
@@ -76,30 +143,40 @@ class RematSequential(keras.layers.Layer):
     self.steps = []
     for seg in segments:
       part = layers[seg.start:seg.stop]
-      self.steps += ([RematerializationLayer(
-          keras.Sequential(part), policy=seg.policy or policy)]
+      if any(isinstance(l, ContextUnit) for l in part):
+        body = ContextSegment(part)
+      else:
+        body = keras.Sequential(part)
+      self.steps += ([RematerializationLayer(body, policy=seg.policy or policy)]
                      if seg.remat else part)
 
   def build(self, input_shape=None):
     del input_shape  # Each layer builds itself on its first call.
     self.built = True
 
-  def call(self, x, training=None):
+  def call(self, x, context=None, training=None):
+    """Runs the chain on `x`; `context` is the list of tensors its
+    `ContextUnit`s read (see there), if it has any."""
     graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
     if (not self.ordered or graph is None or
         not any(s.remat for s in self.segments) or
         control_flow_util.GraphOrParentsInXlaContext(graph)):
       # Eager ops and XLA's compiled steps run in one order every time; a
       # chain that rematerializes nothing runs as the layers would.
-      return self._run(x, training)
-    return self._ordered(x, training)
+      return self._run(x, context, training)
+    return self._ordered(x, context, training)
 
-  def _run(self, x, training):
+  def _run(self, x, context, training):
     for step in self.steps:
-      x = step(x, training=training)
+      body = step.layer if isinstance(step, RematerializationLayer) else step
+      if context is not None and isinstance(body,
+                                            (ContextUnit, ContextSegment)):
+        x = step(x, context=context, training=training)
+      else:
+        x = step(x, training=training)
     return x
 
-  def _ordered(self, x, training):
+  def _ordered(self, x, context, training):
     """The chain in a graph, its forward and backward ops run in one order.
 
     The graph executor runs independent ops in whatever order its threads
@@ -117,7 +194,8 @@ class RematSequential(keras.layers.Layer):
     @tf.custom_gradient
     def chain(x):
       with order:
-        y = self._run(x, training)
+        # The context is never float: it needs no gradient.
+        y = self._run(x, context, training)
 
       def grad(dy, variables=None):
         variables = list(variables or [])
@@ -134,9 +212,9 @@ class RematSequential(keras.layers.Layer):
 
     return chain(x)
 
-  def compute_output_spec(self, x, training=None):
+  def compute_output_spec(self, x, context=None, training=None):
     # Called on symbolic inputs, each step makes its own symbolic call.
-    return self.call(x, training=training)
+    return self.call(x, context=context, training=training)
 
   def get_config(self):
     return {

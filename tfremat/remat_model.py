@@ -279,18 +279,35 @@ def _topological_nodes(model):
   return nodes
 
 
+def _is_context(tensor):
+  """Whether a tensor is context for a chain: not float, so without a
+  gradient (token ids, a padding mask), and live for the whole step."""
+  return not keras.backend.is_float_dtype(tensor.dtype)
+
+
 def chain_units(model):
   """Where `model` can be cut into a chain, and the parts between the cuts.
 
   A cut is a tensor every path from the model's inputs to its outputs passes
   through: after the op computing it, it is the only tensor computed so far
-  (inputs included) that a later op or the output still needs.
+  (inputs included) that a later op or the output still needs. Tensors that
+  are not float (token ids, a padding mask that every transformer block
+  reads) do not count: they have no gradient and are the chain's context.
 
   Returns:
     (cuts, units): the cut tensors in order, and for each pair of
     consecutive cuts the part of the model between them: the layer itself
-    when it is one layer, else a functional model of the same layer objects.
+    when it is one layer (not a plain operation such as `x * 2`), a
+    functional model of the same layer objects when
+    it is more, and a `tfremat.chain.ContextUnit` around such a model when
+    the part also reads context tensors.
   """
+  cuts, units, _ = _chain_parts(model)
+  return cuts, units
+
+
+def _chain_parts(model):
+  """`chain_units`, and the context tensors its ContextUnits index."""
   nodes = _topological_nodes(model)
   needed_by = {}  # id(tensor) -> index of the last node reading it.
   for i, node in enumerate(nodes):
@@ -298,27 +315,99 @@ def chain_units(model):
       needed_by[id(t)] = i
   for t in model.outputs:
     needed_by[id(t)] = len(nodes)
-  live = {id(t): t for t in model.inputs}
+  live = {id(t): t for t in model.inputs if not _is_context(t)}
   cuts = list(model.inputs) if len(model.inputs) == 1 else []
   for i, node in enumerate(nodes):
     for t in node.outputs:
-      live[id(t)] = t
+      if not _is_context(t):
+        live[id(t)] = t
     live = {k: t for k, t in live.items() if needed_by.get(k, -1) > i}
     if len(live) == 1:
       (tensor,) = live.values()
       if not cuts or cuts[-1] is not tensor:
         cuts.append(tensor)
-  units = []
+  position = {id(n): i for i, n in enumerate(nodes)}
+  context, units = [], []
   for start, stop in zip(cuts, cuts[1:]):
     producer = stop._keras_history.operation  # pylint: disable=protected-access
     inbound = producer._inbound_nodes  # pylint: disable=protected-access
     node = inbound[stop._keras_history.node_index]  # pylint: disable=protected-access
-    if node.input_tensors == [start] and len(node.outputs) == 1:
+    read = _context_read(nodes, position, start, stop)
+    if (not read and isinstance(producer, keras.layers.Layer) and
+        node.input_tensors == [start] and len(node.outputs) == 1):
       units.append(producer)
-    else:
-      units.append(keras.Model(start, stop,
-                               name=f"{model.name}_part{len(units)}"))
-  return cuts, units
+      continue
+    name = f"{model.name}_part{len(units)}"
+    if not read:
+      units.append(keras.Model(start, stop, name=name))
+      continue
+    indices = []
+    for t in read:
+      if not any(t is c for c in context):
+        context.append(t)
+      indices.append(next(i for i, c in enumerate(context) if c is t))
+    lo = position.get(id(_producing_node(start)), -1)
+    part = _replayed(nodes[lo + 1:position[id(node)] + 1], [start] + read,
+                     stop, name)
+    units.append(chain_lib.ContextUnit(part, indices,
+                                       name=f"{name}_with_context"))
+  return cuts, units, context
+
+
+def _context_in(context, model_inputs, inputs, given, context_of):
+  """The context tensors computed from the new model's `inputs`: the
+  inputs themselves where they are the model's (a padding mask), else
+  through `context_of`."""
+  where = [next((i for i, t in enumerate(model_inputs) if t is c), None)
+           for c in context]
+  if None not in where:
+    return [inputs[i] for i in where]
+  return keras.tree.flatten(context_of(given))
+
+
+def _replayed(nodes, inputs, output, name):
+  """A functional model of `nodes`' layers from `inputs` to `output`, built
+  by calling those layers again on new inputs.
+
+  `keras.Model(inputs, output)` with inputs that mix a model's own Input (a
+  padding mask) and an intermediate tensor re-wires the Input's history, so
+  that the original model's config can no longer be written: each input is
+  made new here instead.
+  """
+  fresh = [keras.Input(batch_shape=t.shape, dtype=t.dtype) for t in inputs]
+  found = {id(t): f for t, f in zip(inputs, fresh)}
+
+  def swap(value):
+    return (found.get(id(value), value)
+            if isinstance(value, keras.KerasTensor) else value)
+
+  for node in nodes:
+    if not all(id(t) in found for t in node.input_tensors):
+      continue  # Computes context from the inputs: given as an input.
+    outputs = node.operation(
+        *keras.tree.map_structure(swap, node.arguments.args),
+        **keras.tree.map_structure(swap, node.arguments.kwargs))
+    for old, new in zip(node.outputs, keras.tree.flatten(outputs)):
+      found[id(old)] = new
+  return keras.Model(fresh, keras.tree.map_structure(lambda t: found[id(t)],
+                                                     output), name=name)
+
+
+def _context_read(nodes, position, start, stop):
+  """The context tensors that the nodes between `start` and `stop` read."""
+  lo = position.get(id(_producing_node(start)), -1)  # -1: a model input.
+  hi = position[id(_producing_node(stop))]
+  read = []
+  for node in nodes[lo + 1:hi + 1]:
+    for t in node.input_tensors:
+      if _is_context(t) and not any(t is r for r in read):
+        read.append(t)
+  return read
+
+
+def _producing_node(tensor):
+  history = tensor._keras_history  # pylint: disable=protected-access
+  return history.operation._inbound_nodes[history.node_index]  # pylint: disable=protected-access
 
 
 def _planned(model, budget, sample_input, policy_names, verbose, mode,
@@ -338,7 +427,7 @@ def _planned(model, budget, sample_input, policy_names, verbose, mode,
   if sample_input is None:
     raise ValueError("remat_model: budget needs sample_input, a batch like "
                      "those the model trains on.")
-  cuts, units = chain_units(model)
+  cuts, units, context = _chain_parts(model)
   # The chain starts at the first float cut: parts reading token ids (an
   # embedding) have no input gradient to measure, and run before it, kept.
   start = next((i for i, t in enumerate(cuts)
@@ -353,20 +442,41 @@ def _planned(model, budget, sample_input, policy_names, verbose, mode,
   first, last = cuts[0], cuts[-1]
   prefix = (None if any(first is t for t in model.inputs) else
             keras.Model(model.inputs, first, name=f"{model.name}_before"))
-  suffix = (None if any(last is t for t in model.outputs) else
-            keras.Model(last, model.outputs, name=f"{model.name}_after"))
+  suffix = None
+  if not (len(model.outputs) == 1 and last is model.outputs[0]):
+    nodes = _topological_nodes(model)
+    after = next(i for i, n in enumerate(nodes) if n is _producing_node(last))
+    # Replayed: an output that is `last` itself (BERT's sequence output
+    # beside its pooled one) would disconnect `keras.Model(last, outputs)`.
+    suffix = _replayed(nodes[after + 1:], [last], model._outputs_struct,  # pylint: disable=protected-access
+                       f"{model.name}_after")
   x = sample_input if prefix is None else prefix(sample_input)
+  context_of = (keras.Model(model.inputs, context) if context else None)
+  if context:
+    # What the units read while they are measured: the sample's context.
+    sample_context = keras.tree.flatten(context_of(sample_input))
+    for unit in units:
+      if isinstance(unit, chain_lib.ContextUnit):
+        unit.sample_context = sample_context
   chosen = chain_lib.checked_plan(units, budget, x, verbose=verbose,
                                   policies=policy_names)
+  for unit in units:
+    if isinstance(unit, chain_lib.ContextUnit):
+      unit.sample_context = None  # Not kept alive by the model.
   chain = chain_lib.RematSequential(units, chosen.segments, plan=chosen,
                                     name=f"{model.name}_chain")
   inputs = [keras.Input(batch_shape=t.shape, dtype=t.dtype, name=t.name)
             for t in model.inputs]
-  h = inputs[0] if len(inputs) == 1 else inputs
+  # The original's input structure (a dict of token ids and a mask, say).
+  given = keras.tree.pack_sequence_as(model._inputs_struct, inputs)  # pylint: disable=protected-access
+  h = given
   if prefix is not None:
     h = prefix(h)
-  h = chain(h)
+  if context:
+    h = chain(h, context=_context_in(context, model.inputs, inputs, given,
+                                     context_of))
+  else:
+    h = chain(h)
   if suffix is not None:
     h = suffix(h)
-  return keras.Model(inputs if len(inputs) > 1 else inputs[0], h,
-                     name=model.name)
+  return keras.Model(given, h, name=model.name)
