@@ -66,6 +66,18 @@ def test_model_keeps_its_class_config_and_inference():
   assert not any(tfremat.is_remat_in_place(b) for b in blocks)
 
 
+def test_undo_restores_the_mode_a_keras_remat_scope_gave():
+  with keras.RematScope(mode="larger_than", output_size_threshold=7):
+    dense = keras.layers.Dense(4)
+  given = dense._remat_mode  # pylint: disable=protected-access
+  tfremat.remat_in_place(dense)
+  tfremat.remat_in_place(dense, policy="dots_saveable")  # Twice: still once.
+  tfremat.undo_remat_in_place(dense)
+  assert dense._remat_mode == given  # pylint: disable=protected-access
+  assert "rematerialized_call" not in vars(dense)
+  assert not tfremat.is_remat_in_place(dense)
+
+
 def test_fit_trains_through_the_rematerialized_blocks():
   model, blocks = _model(dropout=0.0)
   tfremat.remat_in_place(blocks)

@@ -22,7 +22,8 @@ from tfremat import policies
 from tfremat import remat
 from tfremat.layers import refuse_keras2
 
-_MARK = "_tfremat_in_place_policy"
+# Set on a layer remat_in_place rematerializes: its remat mode before.
+_MARK = "_tfremat_remat_mode_before"
 
 
 def _layers(layers, caller):
@@ -88,12 +89,14 @@ def remat_in_place(layers, policy=None):
         f"{keras.__version__}. Upgrade Keras, or use tfremat.remat_model.")
   for layer in layers:
     # Attributes of this object only, set past Keras's attribute tracking:
-    # the layer's class, config and weights stay as they are.
+    # the layer's class, config and weights stay as they are. The remat mode
+    # a keras.RematScope gave the layer is kept for undo_remat_in_place.
+    if not hasattr(layer, _MARK):
+      object.__setattr__(layer, _MARK, getattr(layer, "_remat_mode", None))
     object.__setattr__(layer, "_remat_mode",
                        keras_remat.RematMode("full", None, None))
     object.__setattr__(layer, "rematerialized_call",
                        functools.partial(_rematerialized_call, layer, policy))
-    object.__setattr__(layer, _MARK, policy)
   return layers
 
 
@@ -101,11 +104,9 @@ def undo_remat_in_place(layers):
   """Undoes `remat_in_place` on `layers`: they run as they did before."""
   for layer in _layers(layers, "undo_remat_in_place"):
     if hasattr(layer, _MARK):
-      for name in ("_remat_mode", "rematerialized_call", _MARK):
-        if name in layer.__dict__:
-          object.__delattr__(layer, name)
-      if "_remat_mode" not in layer.__dict__:
-        object.__setattr__(layer, "_remat_mode", None)
+      object.__delattr__(layer, "rematerialized_call")
+      object.__setattr__(layer, "_remat_mode", getattr(layer, _MARK))
+      object.__delattr__(layer, _MARK)
   return None
 
 
