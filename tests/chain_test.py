@@ -386,7 +386,7 @@ def test_remat_sequential_matches_plain_in_every_mode(device, mode, ordered):
 
 def test_ordered_is_kept_in_the_config():
   blocks = models.residual_mlp(2, 8, dropout=0.0, residual_inside=True)
-  layer = tfremat.RematSequential(blocks, [(0, 2, True)], ordered=False)
+  layer = tfremat.RematSequential(blocks, [(0, 2, True)], ordered=True)
   again = tfremat.RematSequential.from_config(layer.get_config())
-  assert again.ordered is False
-  assert tfremat.RematSequential(blocks, [(0, 2, True)]).ordered is True
+  assert again.ordered is True
+  assert tfremat.RematSequential(blocks, [(0, 2, True)]).ordered is False

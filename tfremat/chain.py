@@ -113,13 +113,15 @@ class RematSequential(keras.layers.Layer):
       is saved and loaded.
     policy: the save policy of rematerialized segments that name none.
     ordered: in a `tf.function` (not XLA), run the chain's forward and
-      backward ops in the order they are built, so that a step's peak memory
-      varies less from call to call (`_ordered`). False lets the executor's
-      threads overlap independent ops: a few percent faster, with a peak
-      that varies more.
+      backward ops in the order they are built (`_ordered`), so that a
+      step's peak varies less from call to call within a process. It costs
+      step time, as independent ops no longer overlap: 20-30% on the
+      benchmark's transformer blocks on a 2-core CPU (docs/benchmarks.md).
+      False (the default) lets the executor's threads overlap them; the
+      planner's bounds cover the spread either way.
   """
 
-  def __init__(self, layers, segments, plan=None, policy=None, ordered=True,
+  def __init__(self, layers, segments, plan=None, policy=None, ordered=False,
                **kwargs):
     layers = _chain_layers(layers, "RematSequential")
     segments = [s if isinstance(s, planner.Segment) else planner.Segment(*s)
