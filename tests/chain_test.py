@@ -232,8 +232,8 @@ def test_budgets_hold_when_measured(model):
     # The planner's own check: its plan's bound for later calls.
     assert chosen.measured.bound_bytes <= budget, (fraction, str(chosen))
     # Measured again, on a fresh layer: every call within the budget.
-    later = chain.measure_peaks(
-        tfremat.RematSequential(blocks, chosen.segments), x)
+    later = chain.measure_peaks(tfremat.RematSequential(
+        blocks, chosen.segments, ordered=chain.PLANNED_ORDER), x)
     assert max(later) <= budget, (fraction, later, budget, str(chosen))
     assert any(chosen.rematerialized)
   # A budget over the measured peak by more than its spread keeps

@@ -230,7 +230,9 @@ def _schemes_and_plans(fractions, progress):
   rows, steps = [], []
 
   def run(name, kind, segments, fraction=None, plan_seconds=None):
-    layer = tfremat.RematSequential(blocks, segments)
+    # The planner's rows run as remat_sequential(budget=...) returns them.
+    layer = tfremat.RematSequential(
+        blocks, segments, ordered=kind == "planner" and chain.PLANNED_ORDER)
     step = chain.training_step(layer, jit=FLAGS.jit)
     used = sorted({planner.short_policy_name(s.policy) for s in segments
                    if s.remat and s.policy})

@@ -464,6 +464,7 @@ def _planned(model, budget, sample_input, policy_names, verbose, mode,
     if isinstance(unit, chain_lib.ContextUnit):
       unit.sample_context = None  # Not kept alive by the model.
   chain = chain_lib.RematSequential(units, chosen.segments, plan=chosen,
+                                    ordered=chain_lib.PLANNED_ORDER,
                                     name=f"{model.name}_chain")
   inputs = [keras.Input(batch_shape=t.shape, dtype=t.dtype, name=t.name)
             for t in model.inputs]
