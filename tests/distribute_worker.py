@@ -26,13 +26,18 @@ GLOBAL_BATCH = 8
 # Peaks measured in the strategy's scope vary from call to call, as the two
 # replicas' ops interleave differently: in three runs here keeping
 # everything measured 15.7-18.0 MiB and plans rematerializing the first
-# three blocks 8.5-11.3 MiB, so 80% leaves room both ways. With two blocks,
-# where about 80% was the least that fitted, a 90% budget failed in CI: no
-# plan measured within 8.7 MiB, the lowest 9.5 MiB.
-BUDGET = "80%"
+# three blocks 8.5-11.3 MiB. With two blocks, where about 80% was the least
+# that fitted, a 90% budget failed in CI: no plan measured within 8.7 MiB,
+# the lowest 9.5 MiB. With four at 80%, this test failed in one of three
+# runs of the whole suite here (its message was not kept; it passed 7 runs
+# alone). A plan's bound, its largest peak plus the spread of its calls, is
+# what must fit: 90% leaves that more room, and keeping everything, whose
+# bound is above its own peak, still does not fit, so the plan
+# rematerializes a part.
+BUDGET = "90%"
 # The planner's allocator margin is for plans trained in a later process;
 # these are trained in the process that planned them, and the margin (10% of
-# keeping everything) would leave the plans above no room at 80%.
+# keeping everything) would leave the plans above little room.
 tfremat.planner.ALLOCATOR_MARGIN = 0.0
 WIDE_BLOCKS = 4
 STEPS = 2
