@@ -89,9 +89,17 @@ class ContextSegment(keras.layers.Layer):
 
   def call(self, x, context=None, training=None):
     for layer in self.chain:
-      x = (layer(x, context=context, training=training)
-           if isinstance(layer, ContextUnit) else layer(x, training=training))
+      x = _call_link(layer, x, context, training)
     return x
+
+
+def _call_link(layer, x, context, training):
+  """One link of a chain on `x`, handed the context if it reads it (a
+  ContextUnit, a ContextSegment, or either rematerialized)."""
+  body = layer.layer if isinstance(layer, RematerializationLayer) else layer
+  if context is not None and isinstance(body, (ContextUnit, ContextSegment)):
+    return layer(x, context=context, training=training)
+  return layer(x, training=training)
 
 
 @keras.saving.register_keras_serializable(package="tfremat")
@@ -170,12 +178,7 @@ class RematSequential(keras.layers.Layer):
 
   def _run(self, x, context, training):
     for step in self.steps:
-      body = step.layer if isinstance(step, RematerializationLayer) else step
-      if context is not None and isinstance(body,
-                                            (ContextUnit, ContextSegment)):
-        x = step(x, context=context, training=training)
-      else:
-        x = step(x, training=training)
+      x = _call_link(step, x, context, training)
     return x
 
   def _ordered(self, x, context, training):

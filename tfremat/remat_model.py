@@ -329,13 +329,15 @@ def _chain_parts(model):
   position = {id(n): i for i, n in enumerate(nodes)}
   context, units = [], []
   for start, stop in zip(cuts, cuts[1:]):
-    producer = stop._keras_history.operation  # pylint: disable=protected-access
-    inbound = producer._inbound_nodes  # pylint: disable=protected-access
-    node = inbound[stop._keras_history.node_index]  # pylint: disable=protected-access
-    read = _context_read(nodes, position, start, stop)
-    if (not read and isinstance(producer, keras.layers.Layer) and
+    node = _producing_node(stop)
+    # The part's nodes: after start's producer (-1: a model input) up to
+    # stop's.
+    part_nodes = nodes[position.get(id(_producing_node(start)), -1) + 1:
+                       position[id(node)] + 1]
+    read = _context_read(part_nodes)
+    if (not read and isinstance(node.operation, keras.layers.Layer) and
         node.input_tensors == [start] and len(node.outputs) == 1):
-      units.append(producer)
+      units.append(node.operation)
       continue
     name = f"{model.name}_part{len(units)}"
     if not read:
@@ -346,9 +348,7 @@ def _chain_parts(model):
       if not any(t is c for c in context):
         context.append(t)
       indices.append(next(i for i, c in enumerate(context) if c is t))
-    lo = position.get(id(_producing_node(start)), -1)
-    part = _replayed(nodes[lo + 1:position[id(node)] + 1], [start] + read,
-                     stop, name)
+    part = _replayed(part_nodes, [start] + read, stop, name)
     units.append(chain_lib.ContextUnit(part, indices,
                                        name=f"{name}_with_context"))
   return cuts, units, context
@@ -393,12 +393,10 @@ def _replayed(nodes, inputs, output, name):
                                                      output), name=name)
 
 
-def _context_read(nodes, position, start, stop):
-  """The context tensors that the nodes between `start` and `stop` read."""
-  lo = position.get(id(_producing_node(start)), -1)  # -1: a model input.
-  hi = position[id(_producing_node(stop))]
+def _context_read(nodes):
+  """The context tensors that `nodes` read, in order, each once."""
   read = []
-  for node in nodes[lo + 1:hi + 1]:
+  for node in nodes:
     for t in node.input_tensors:
       if _is_context(t) and not any(t is r for r in read):
         read.append(t)
