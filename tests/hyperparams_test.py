@@ -179,3 +179,27 @@ def test_to_text_of_a_script_is_read_back_by_another_program(tmp_path):
   # Without the script's directory on sys.path the error says what to do.
   with pytest.raises(ValueError, match="PYTHONPATH"):
     _params().FromText("cls : type/my_experiment/MyBuilder\n")
+
+
+def test_to_text_of_a_script_is_read_back_by_the_script_itself(tmp_path):
+  # In the program that wrote it, type/my_experiment/MyBuilder names
+  # __main__'s class: importing my_experiment again would run its top-level
+  # code a second time and make a second, different MyBuilder.
+  script = tmp_path / "my_experiment.py"
+  script.write_text(textwrap.dedent("""
+      import tfremat
+
+      print("top-level code runs")
+
+      class MyBuilder(tfremat.builder.Base):
+        pass
+
+      if __name__ == "__main__":
+        p = MyBuilder.Params().Set(random_seed=3)
+        fresh = tfremat.builder.Base.Params().FromText(p.ToText())
+        print(fresh.cls is MyBuilder, fresh.random_seed)
+  """))
+  out = subprocess.run(
+      [sys.executable, str(script)], check=True, capture_output=True,
+      text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")).stdout
+  assert out.splitlines() == ["top-level code runs", "True 3"], out

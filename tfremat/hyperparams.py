@@ -54,6 +54,17 @@ def _ModuleName(module):
   return os.path.splitext(os.path.basename(path))[0] if path else module
 
 
+def _Module(name):
+  """The module `name`: in the program whose `__main__` `_ModuleName`
+  writes as `name` (a script run as `python my_experiment.py`), `__main__`
+  itself, unless the script was also imported under that name. Importing
+  it again would run its top-level code a second time and make second
+  copies of its classes."""
+  if name not in sys.modules and _ModuleName("__main__") == name != "__main__":
+    return sys.modules["__main__"]
+  return importlib.import_module(name)
+
+
 def _ValueToText(value):
   if isinstance(value, type):
     return f"type/{_ModuleName(value.__module__)}/{value.__qualname__}"
@@ -71,7 +82,7 @@ def _TextToValue(text, key):
           f"FromText: {key} names a local {kind} ({text}), which cannot be "
           "looked up again; define it at module level.")
     try:
-      obj = importlib.import_module(module)
+      obj = _Module(module)
       for part in name.split("."):
         obj = getattr(obj, part)
     except (ImportError, AttributeError) as e:
