@@ -161,10 +161,12 @@ def test_calibrated_plan_corrects_the_model_by_measurement(error, keep_error):
   for fraction in np.linspace(0.3, 0.95, 14):
     budget = int(fraction * keep_error * keep_peak)
     chosen = planner.calibrated_plan(costs, budget, measured_peak)
-    # The fastest plan whose stand-in peak fits.
+    # The fastest plan whose stand-in peak fits, or one that the model
+    # predicts less than FASTER_BY of keeping everything's time slower.
     best = planner.plan(costs, budget / error)
     assert chosen.measured_peak_bytes <= budget, (fraction, str(chosen))
-    assert chosen.seconds == pytest.approx(best.seconds, rel=1e-12), fraction
+    assert best.seconds <= chosen.seconds < (
+        best.seconds + planner.FASTER_BY * chosen.baseline_seconds), fraction
   if error == keep_error:
     # Below what the calibrated model reaches: the error names the lowest
     # fraction of the measured keep-everything peak and what dominates it.

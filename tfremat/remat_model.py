@@ -20,6 +20,7 @@ import warnings
 
 import keras
 from keras.src.models import functional
+import numpy as np
 
 from tfremat import chain as chain_lib
 from tfremat import planner
@@ -236,6 +237,10 @@ def remat_model(model, mode="full", output_size_threshold=1024,
     choose = lambda layer: getattr(layer, "activation", None) is not None
   else:
     choose = lambda layer: layer.name in layer_names
+  if mode == "full":
+    grouped = _grouped(model, policy)
+    if grouped is not None:
+      return grouped
   wrapper = (RematerializeActivation if mode == "activations" else
              functools.partial(RematerializationLayer, policy=policy))
   recurse = mode in ("activations", "list_of_layers")
@@ -252,6 +257,97 @@ def remat_model(model, mode="full", output_size_threshold=1024,
                   f"{model.name}; nothing is rematerialized.{hint}",
                   stacklevel=2)
   return _rematerialized(model, choose, wrapper, recurse=recurse)
+
+
+def _elements(tensors):
+  """Elements of symbolic tensors, an unknown dimension counted as 1."""
+  return sum(math.prod(d or 1 for d in t.shape)
+             for t in keras.tree.flatten(tensors))
+
+
+def _is_builtin(layer):
+  return type(layer).__module__.startswith("keras.")
+
+
+def _held_elements(unit, output):
+  """What `unit` (a chain unit with symbolic output `output`) holds for
+  its backward pass when kept, estimated as every output its nodes compute,
+  in elements; None for a unit whose inside Keras does not record (a
+  subclassed layer, a layer reading context)."""
+  if not _is_graph_model(unit):
+    return _elements(output) if _is_builtin(unit) else None
+  graph = getattr(unit, "_functional", None) or unit  # A Sequential's.
+  total = 0
+  for node in _topological_nodes(graph):
+    inner = node.operation
+    if _is_graph_model(inner):
+      held = _held_elements(inner, node.outputs)
+    elif isinstance(inner, keras.layers.Layer) and not _is_builtin(inner):
+      held = None
+    else:
+      held = _elements(node.outputs)  # A built-in layer or a plain op.
+    if held is None:
+      return None
+    total += held
+  return total
+
+
+def _grouping(held, inputs):
+  """Segments of consecutive units, all rematerialized, for mode="full".
+
+  `held[i]` is what unit i holds when kept (None: unknown, so it stays a
+  segment of its own) and `inputs[i]` its input's size, in elements. A
+  rematerialized segment stores its input; its backward pass holds what its
+  units hold. So a step holds about the stored inputs plus the largest
+  segment's `held`: grouping single layers, which hold little beyond their
+  outputs, stores fewer inputs. For each cap on a segment's `held` (a
+  geometric grid), units are grouped greedily under it; the cap with the
+  smallest estimate wins (ties: the smaller cap, less recomputed at once).
+  Returns a list of `planner.Segment`.
+  """
+  known = [h for h in held if h is not None]
+  if not known:
+    return [planner.Segment(i, i + 1, True) for i in range(len(held))]
+  best = None
+  for cap in sorted(set(np.geomspace(max(known), sum(known), 64).tolist())):
+    segments, start, total = [], 0, 0
+    for i, h in enumerate(held):
+      if h is None or (i > start and (held[i - 1] is None or
+                                      total + h > cap)):
+        if i > start:
+          segments.append(planner.Segment(start, i, True))
+        start, total = i, 0
+      total += h or 0
+    segments.append(planner.Segment(start, len(held), True))
+    largest = max(sum(held[j] or 0 for j in range(s.start, s.stop))
+                  for s in segments)
+    estimate = sum(inputs[s.start] for s in segments) + largest
+    if best is None or estimate < best[0]:
+      best = (estimate, segments)
+  return best[1]
+
+
+def _grouped(model, policy):
+  """mode="full" on a model whose chain (`chain_units`) has units that
+  group into segments (`_grouping`): every unit rematerialized, the chain's
+  layers inside a `RematSequential` of those segments. None when no segment
+  would have two units: each layer is then rematerialized on its own."""
+  if policy is not None and not isinstance(policy, str):
+    return None  # A RematSequential segment's policy is a built-in's name.
+  parts = _ModelChain.of(model)
+  if isinstance(parts, int):
+    return None
+  held = [_held_elements(u.unit if isinstance(u, chain_lib.ContextUnit)
+                         else u, out)
+          for u, out in zip(parts.units, parts.cuts[1:])]
+  if any(isinstance(u, chain_lib.ContextUnit) for u in parts.units):
+    held = [None if isinstance(u, chain_lib.ContextUnit) else h
+            for u, h in zip(parts.units, held)]
+  segments = _grouping(held, [_elements(t) for t in parts.cuts[:-1]])
+  if all(s.stop - s.start == 1 for s in segments):
+    return None
+  return parts.model_with(chain_lib.RematSequential(
+      parts.units, segments, policy=policy, name=f"{model.name}_chain"))
 
 
 def _rematerialized(model, choose, wrapper, recurse):
@@ -425,57 +521,86 @@ def _planned(model, budget, sample_input, policy_names, verbose, mode,
   if sample_input is None:
     raise ValueError("remat_model: budget needs sample_input, a batch like "
                      "those the model trains on.")
-  cuts, units, context = _chain_parts(model)
-  # The chain starts at the first float cut: parts reading token ids (an
-  # embedding) have no input gradient to measure, and run before it, kept.
-  start = next((i for i, t in enumerate(cuts)
-                if keras.backend.is_float_dtype(t.dtype)), len(cuts))
-  cuts, units = cuts[start:], units[start:]
-  if len(units) < 2:
+  parts = _ModelChain.of(model)
+  if isinstance(parts, int):
     raise ValueError(
-        f"remat_model: {model.name} has {len(units)} part(s) between tensors "
-        "that every path from its inputs to its outputs passes through, so "
-        "there is nothing for a budget to choose between. Give mode= "
-        "instead (\"full\" rematerializes its layers one by one).")
-  first, last = cuts[0], cuts[-1]
-  prefix = (None if any(first is t for t in model.inputs) else
-            keras.Model(model.inputs, first, name=f"{model.name}_before"))
-  suffix = None
-  if not (len(model.outputs) == 1 and last is model.outputs[0]):
-    nodes = _topological_nodes(model)
-    after = next(i for i, n in enumerate(nodes) if n is _producing_node(last))
-    # Replayed: an output that is `last` itself (BERT's sequence output
-    # beside its pooled one) would disconnect `keras.Model(last, outputs)`.
-    suffix = _replayed(nodes[after + 1:], [last], model._outputs_struct,  # pylint: disable=protected-access
-                       f"{model.name}_after")
-  x = sample_input if prefix is None else prefix(sample_input)
-  context_of = (keras.Model(model.inputs, context) if context else None)
-  if context:
+        f"remat_model: {model.name} has {parts} part(s) between "
+        "tensors that every path from its inputs to its outputs passes "
+        "through, so there is nothing for a budget to choose between. Give "
+        "mode= instead (\"full\" rematerializes its layers one by one).")
+  x = (sample_input if parts.prefix is None else parts.prefix(sample_input))
+  if parts.context:
     # What the units read while they are measured: the sample's context.
-    sample_context = keras.tree.flatten(context_of(sample_input))
-    for unit in units:
+    sample_context = keras.tree.flatten(parts.context_of(sample_input))
+    for unit in parts.units:
       if isinstance(unit, chain_lib.ContextUnit):
         unit.sample_context = sample_context
-  chosen = chain_lib.checked_plan(units, budget, x, verbose=verbose,
+  chosen = chain_lib.checked_plan(parts.units, budget, x, verbose=verbose,
                                   policies=policy_names)
-  for unit in units:
+  for unit in parts.units:
     if isinstance(unit, chain_lib.ContextUnit):
       unit.sample_context = None  # Not kept alive by the model.
-  chain = chain_lib.RematSequential(units, chosen.segments, plan=chosen,
-                                    ordered=chain_lib.PLANNED_ORDER,
-                                    name=f"{model.name}_chain")
-  inputs = [keras.Input(batch_shape=t.shape, dtype=t.dtype, name=t.name)
-            for t in model.inputs]
-  # The original's input structure (a dict of token ids and a mask, say).
-  given = keras.tree.pack_sequence_as(model._inputs_struct, inputs)  # pylint: disable=protected-access
-  h = given
-  if prefix is not None:
-    h = prefix(h)
-  if context:
-    h = chain(h, context=_context_in(context, model.inputs, inputs, given,
-                                     context_of))
-  else:
-    h = chain(h)
-  if suffix is not None:
-    h = suffix(h)
-  return keras.Model(given, h, name=model.name)
+  return parts.model_with(chain_lib.RematSequential(
+      parts.units, chosen.segments, plan=chosen,
+      ordered=chain_lib.PLANNED_ORDER, name=f"{model.name}_chain"))
+
+
+class _ModelChain:
+  """A functional model as prefix, chain of units, suffix.
+
+  The chain runs from the model's first float cut (`chain_units`) to its
+  last: parts reading token ids (an embedding) have no input gradient, and
+  run before it as `prefix`; what follows the last cut (a head, a final
+  normalization, several outputs) runs after it as `suffix`. Either is None
+  when empty. `context` lists the tensors the chain's `ContextUnit`s read,
+  and `context_of` computes them from the model's inputs.
+  """
+
+  def __init__(self, model, cuts, units, context):
+    self.model, self.cuts, self.units, self.context = (model, cuts, units,
+                                                      context)
+    first, last = cuts[0], cuts[-1]
+    self.prefix = (None if any(first is t for t in model.inputs) else
+                   keras.Model(model.inputs, first,
+                               name=f"{model.name}_before"))
+    self.suffix = None
+    if not (len(model.outputs) == 1 and last is model.outputs[0]):
+      nodes = _topological_nodes(model)
+      after = next(i for i, n in enumerate(nodes)
+                   if n is _producing_node(last))
+      # Replayed: an output that is `last` itself (BERT's sequence output
+      # beside its pooled one) would disconnect `keras.Model(last, outputs)`.
+      self.suffix = _replayed(nodes[after + 1:], [last],
+                              model._outputs_struct,  # pylint: disable=protected-access
+                              f"{model.name}_after")
+    self.context_of = (keras.Model(model.inputs, context) if context
+                       else None)
+
+  @classmethod
+  def of(cls, model):
+    """The model's chain, or (the number of units, 0 or 1) when it has
+    fewer than two."""
+    cuts, units, context = _chain_parts(model)
+    start = next((i for i, t in enumerate(cuts)
+                  if keras.backend.is_float_dtype(t.dtype)), len(cuts))
+    if len(units) - start < 2:
+      return max(0, len(units) - start)
+    return cls(model, cuts[start:], units[start:], context)
+
+  def model_with(self, chain):
+    """A new model like `self.model`, with `chain` (a RematSequential of
+    the units) in place of the units."""
+    model = self.model
+    inputs = [keras.Input(batch_shape=t.shape, dtype=t.dtype, name=t.name)
+              for t in model.inputs]
+    # The original's input structure (a dict of token ids and a mask, say).
+    given = keras.tree.pack_sequence_as(model._inputs_struct, inputs)  # pylint: disable=protected-access
+    h = given if self.prefix is None else self.prefix(given)
+    if self.context:
+      h = chain(h, context=_context_in(self.context, model.inputs, inputs,
+                                       given, self.context_of))
+    else:
+      h = chain(h)
+    if self.suffix is not None:
+      h = self.suffix(h)
+    return keras.Model(given, h, name=model.name)
