@@ -7,6 +7,7 @@ step (BatchNormalization statistics, seed generator states) agree.
 """
 
 import functools
+import warnings
 
 import keras
 import numpy as np
@@ -251,6 +252,39 @@ def test_unbuilt_layer_is_built_on_first_call_with_real_weights(mode):
   first = step(x)
   np.testing.assert_allclose(first.numpy(), dense(x).numpy(), rtol=1e-6)
   assert len(dense.trainable_weights) == 2
+
+
+class _CustomBlock(keras.layers.Layer):
+  """The guide's pattern: a layer whose call rematerializes its sublayers."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.dense = keras.layers.Dense(4, activation="relu")
+    self.dropout = keras.layers.Dropout(0.5, seed=3)
+    self.remat = True
+
+  def call(self, x, training=None):
+    fn = lambda h: self.dropout(self.dense(h), training=training)
+    return tfremat.RematerializeFn(fn, x) if self.remat else fn(x)
+
+
+def test_custom_layer_builds_on_a_keras_input_without_a_warning():
+  # Keras builds it by a symbolic call in a scratch graph, where variables
+  # have no values yet: the rematerialized call must not read them there.
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    inputs, block = keras.Input((6,)), _CustomBlock()
+    model = keras.Model(inputs, block(inputs))
+  assert not [w for w in caught if "unbuilt state" in str(w.message)], [
+      str(w.message) for w in caught]
+  assert model.output.shape == (None, 4) and len(model.trainable_weights) == 2
+
+  def call(remat, x):
+    block.remat = remat
+    return model(x, training=True)
+
+  assert_parity(call, (_x(5, 6),), model.trainable_weights, "function",
+                "/CPU:0", state=model.variables)
 
 
 _STATEFUL_RANDOM = {

@@ -255,6 +255,11 @@ def rematerialize_with_losses(fn, xs, on_losses=_refuse_losses,
     raise ValueError(
         f"determinism_check must be one of {DETERMINISM_CHECKS}, got "
         f"{determinism_check!r}.")
+  if _in_keras_symbolic_call():
+    # Keras builds a layer by calling it on placeholders in a scratch graph
+    # (`compute_output_spec`) where variables have no values yet and no
+    # gradient is ever taken: only the output's shape is wanted.
+    return fn(*xs), []
   if (determinism_check == "values" and not tf.executing_eagerly() and
       control_flow_util.GraphOrParentsInXlaContext(
           tf.compat.v1.get_default_graph())):
@@ -266,6 +271,16 @@ def rematerialize_with_losses(fn, xs, on_losses=_refuse_losses,
   for observer in _observers:
     observer.append(call)
   return call.forward(on_losses)
+
+
+def _in_keras_symbolic_call():
+  """Whether Keras is calling a layer symbolically, to build it or to find
+  its output spec (Keras 3's `SymbolicScope`)."""
+  try:
+    from keras.src.backend.common import symbolic_scope  # pylint: disable=g-import-not-at-top
+  except ImportError:  # A Keras without it calls layers on real tensors.
+    return False
+  return symbolic_scope.in_symbolic_scope()
 
 
 class _Call:
