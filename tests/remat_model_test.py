@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 import tfremat
+from tfremat import measure
 from tfremat import models
 from tfremat.remat_model import RematerializeActivation
 from tfremat.remat_model import chain_units
@@ -63,7 +64,7 @@ def _wrapped(model):
   found = []
   for layer in model.layers:
     if isinstance(layer, (tfremat.RematerializationLayer,
-                          RematerializeActivation)):
+                          RematerializeActivation, tfremat.RematSequential)):
       found.append(layer)
     elif isinstance(layer, keras.Model):
       found += _wrapped(layer)
@@ -120,6 +121,9 @@ def test_a_policy_applies_to_every_unit_and_stays_exact(name):
   rematerialized = remat_model(model, "full", policy="dots_saveable")
   units = [l for l in rematerialized.layers
            if isinstance(l, tfremat.RematerializationLayer)]
+  # The CNN's layers are grouped into segments of one RematSequential.
+  units += [step for l in rematerialized.layers
+            if isinstance(l, tfremat.RematSequential) for step in l.steps]
   assert units and all(u.policy == "dots_saveable" for u in units)
   assert_parity(lambda remat, inputs: (rematerialized if remat else model)(
       inputs, training=True), (x,), model.trainable_weights, "function",
@@ -138,7 +142,16 @@ def test_modes_choose_what_keras_remat_scope_would():
   model, _ = _resnet()
   kinds = lambda m: [type(l).__name__ for l in m.layers[1:]]
   full = remat_model(model, "full")
-  assert set(kinds(full)) == {"RematerializationLayer"}
+  # A chain of single layers is grouped into rematerialized segments (each
+  # layer alone would keep its input, the previous layer's output: no
+  # memory saved); every layer is in one.
+  (chain,) = full.layers[1:]
+  assert isinstance(chain, tfremat.RematSequential)
+  assert all(s.remat for s in chain.segments) and len(chain.segments) > 1
+  inside = [m for u in chain.chain
+            for m in (u.layers[1:] if isinstance(u, keras.Model) else [u])]
+  assert sorted(l.name for l in inside) == sorted(
+      l.name for l in model.layers[1:])
   activations = remat_model(model, "activations")
   # Layers with an `activation`: the convolutions, the Dense head and the
   # ReLU layers.
@@ -470,3 +483,35 @@ def test_sample_input_with_a_mode_that_does_not_use_it_is_refused():
   model = _unknown_length_model()
   with pytest.raises(ValueError, match="sample_input is for budget= or"):
     remat_model(model, "full", sample_input=np.zeros([4, 32], "int32"))
+
+
+def _conv_chain(blocks=10):
+  # A CNN as keras.applications builds them: one flat functional model of
+  # single layers, each cut a tensor only the next layer reads.
+  keras.utils.set_random_seed(7)
+  inputs = keras.Input((32, 32, 3))
+  h = keras.layers.Conv2D(16, 3, padding="same")(inputs)
+  for _ in range(blocks):
+    h = keras.layers.Conv2D(16, 3, padding="same")(h)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.ReLU()(h)
+  outputs = keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(h))
+  return keras.Model(inputs, outputs)
+
+
+def test_full_mode_groups_a_cnns_layers_and_saves_memory():
+  # Each layer rematerialized alone keeps its input, which is the previous
+  # layer's output: nothing is saved and the reruns cost memory (1.13x-1.37x
+  # on keras.applications CNNs). Grouped into segments, the step holds the
+  # segments' inputs and one segment's activations.
+  model = _conv_chain()
+  x = tf.random.stateless_normal([16, 32, 32, 3], seed=[1, 2])
+  full = remat_model(model, "full")
+  (chain,) = full.layers[1:]
+  assert 4 <= len(chain.segments) <= 12, chain.segments
+  steps = [tfremat.chain.training_step(m) for m in (model, full)]
+  kept, grouped = (max(measure.peaks(s, x)) for s in steps)
+  assert grouped <= 0.75 * kept, (kept, grouped)
+  assert_parity(lambda remat, h: (full if remat else model)(h, training=True),
+                (x[:4],), model.trainable_weights, "function", "/CPU:0",
+                state=model.variables)

@@ -169,6 +169,11 @@ def remat_model(model, mode="full", output_size_threshold=1024,
     mode: which layers, with `keras.RematScope`'s meanings:
       "full": every layer of `model`; a nested model (a transformer block
         built as a functional model, say) is rematerialized as one unit.
+        Where the model is a chain of small parts (`chain_units`: a CNN's
+        single layers), consecutive parts are grouped into rematerialized
+        segments of one `tfremat.RematSequential`, as a layer alone would
+        keep its input, the previous layer's output; layers before the
+        chain's first cut and after its last are then kept.
       "larger_than": every layer of `model` (a nested model as one unit)
         whose output has more than `output_size_threshold` elements, sized
         on `sample_input` when given, else with each unknown dimension
@@ -241,6 +246,17 @@ def remat_model(model, mode="full", output_size_threshold=1024,
     grouped = _grouped(model, policy)
     if grouped is not None:
       return grouped
+    own = _own_layers(model)
+    if len(own) > 1 and all(_is_builtin(l) and not _is_graph_model(l)
+                            for l in own):
+      warnings.warn(
+          f"remat_model: mode=\"full\" rematerializes each layer of "
+          f"{model.name} on its own, which saves little memory: a layer "
+          "rematerialized alone keeps its input, the previous layer's "
+          "output. Its layers do not form a chain whose parts could be "
+          "grouped (tfremat.chain_units shows its cuts). Wrap larger blocks "
+          "in tfremat.RematerializationLayer, or give budget= and "
+          "sample_input= to plan what to rematerialize.", stacklevel=2)
   wrapper = (RematerializeActivation if mode == "activations" else
              functools.partial(RematerializationLayer, policy=policy))
   recurse = mode in ("activations", "list_of_layers")
