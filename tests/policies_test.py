@@ -12,6 +12,7 @@ checkpointing tests (`test/test_autograd.py`, policy functions that choose
 ops), ported to TensorFlow graphs.
 """
 
+import dataclasses
 import keras
 import numpy as np
 import pytest
@@ -405,6 +406,42 @@ def test_layer_policy_round_trips_through_config_and_a_keras_file(tmp_path):
         policies.name_of(policies.get(policy)))
     np.testing.assert_allclose(loaded(tf.ones([1, 2])),
                                layer(tf.ones([1, 2])))
+
+
+def test_policies_are_values_combined_with_or():
+  dots, masks = policies.dots_saveable, policies.masks_saveable
+  # The built-in unions are combinations, under the names users know.
+  assert dots | masks == masks | dots == policies.dots_and_masks_saveable
+  assert policies.get("dots_and_masks_saveable") == dots | masks
+  assert (dots | masks).name == "dots_and_masks_saveable"
+  assert (policies.masks_and_softmax_saveable | dots ==
+          policies.dots_masks_and_softmax_saveable)
+  # Keeping nothing adds nothing; keeping everything absorbs the rest.
+  assert dots | policies.nothing_saveable is dots
+  assert masks | policies.everything_saveable == policies.everything_saveable
+  named = policies.save_only_these_names("hidden")
+  assert named == policies.save_only_these_names("hidden") != (
+      policies.save_only_these_names("other"))
+  both = masks | named
+  assert both == policies.save_from_both_policies("masks_saveable", named)
+  assert both.name == "masks_saveable | save_only_these_names('hidden')"
+  assert policies.serialize(both) == {
+      "any_of": ["masks_saveable", {"save_only_these_names": ["hidden"]}]}
+  assert policies.deserialize(policies.serialize(both)) == both
+  # A config written by earlier versions still loads.
+  assert policies.deserialize({"save_from_both_policies": [
+      "dots_saveable", "masks_saveable"]}) == policies.dots_and_masks_saveable
+  # Frozen, hashable, and what they keep follows from the parts.
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    named.names = ("x",)
+  assert len({dots | masks, masks | dots, dots}) == 2
+  op = policies.Op("Softmax", "s", (), (), (), (tf.float32,))
+  assert not (dots | masks)(op) and (masks | policies.softmax_saveable)(op)
+  # A plain function of an Op combines with a Policy either way round.
+  softmax_fn = lambda o: o.type == "Softmax"
+  assert (dots | softmax_fn)(op) and (softmax_fn | dots)(op)
+  assert (policies.save_anything_except_these_names("a") | dots
+         ).unsave_named_inputs
 
 
 def test_remat_sequential_segments_carry_their_policy(tmp_path):

@@ -11,9 +11,13 @@ it needed is not recomputed at all. Matrix products are the expensive part of
 a layer and their outputs are often no larger than the elementwise tensors
 around them, so keeping them buys most of the time back for little memory.
 
-A policy is a function of an `Op` (the op's type, name, input and output
-shapes and dtypes, and the name given by `checkpoint_name`, if any) that
-returns True to keep the op's outputs. The built-in ones:
+A policy is called on an `Op` (the op's type, name, input and output
+shapes and dtypes, and the name given by `checkpoint_name`, if any) and
+returns True to keep the op's outputs. The built-in ones are `Policy`
+values: frozen, compared with `==`, written into a layer's config by name or
+recipe, and combined with `|` into a policy keeping what either keeps
+(`dots_saveable | masks_saveable == dots_and_masks_saveable`). Any function
+of an `Op` is a policy too. The built-in ones:
 
 - `nothing_saveable`: keep nothing (the default; the same as no policy);
 - `everything_saveable`: keep every op's outputs (nothing is recomputed;
@@ -40,7 +44,7 @@ returns True to keep the op's outputs. The built-in ones:
   `checkpoint_name` under these names;
 - `save_anything_except_these_names(*names)`: keep every op's outputs except
   the named tensors (and the op that computed each of them);
-- `save_from_both_policies(a, b)`: keep what either policy keeps.
+- `save_from_both_policies(a, b)`: keep what either policy keeps, `a | b`.
 
 `scope(policy)` sets the policy of the rematerialized calls made inside it
 that name none.
@@ -52,6 +56,7 @@ time and memory of graph mode are at stake).
 """
 
 import dataclasses
+import functools
 import re
 import threading
 
@@ -59,6 +64,7 @@ import tensorflow as tf
 
 __all__ = [
     "Op",
+    "Policy",
     "checkpoint_name",
     "dots_saveable",
     "dots_and_masks_saveable",
@@ -144,21 +150,140 @@ def pending_checkpoint_name():
   return getattr(_thread, "name", None)
 
 
-def _policy(fn, name):
-  fn.__name__ = fn.__qualname__ = name
-  return fn
+class Policy:
+  """A save policy as a value: call it on an `Op` (True keeps the op's
+  outputs), combine policies with `|` (keep what either keeps), compare them
+  with `==`, and write one into a layer's config (`serialize`).
+
+  The built-in policies are instances; so are `save_only_these_names(...)`,
+  `save_anything_except_these_names(...)` and unions. A plain function of an
+  `Op` is a policy too, and `|` combines it with a `Policy`.
+  """
+  __slots__ = ()
+
+  # Whether a tensor named with `checkpoint_name` that the policy does not
+  # keep is recomputed together with the op computing it
+  # (`save_anything_except_these_names`).
+  unsave_named_inputs = False
+
+  def keeps(self, op):
+    raise NotImplementedError
+
+  def __call__(self, op):
+    return self.keeps(op)
+
+  def __or__(self, other):
+    return _any_of(self, other)
+
+  def __ror__(self, other):
+    return _any_of(other, self)
+
+  @property
+  def __name__(self):
+    return self.name
+
+  @property
+  def name(self):
+    """The policy's name: a built-in's, or how to make it again."""
+    return next((n for n, p in BUILT_IN.items() if p == self), self._name())
+
+  def _name(self):
+    raise NotImplementedError
+
+  def get_config(self):
+    """A JSON-able form: a built-in's name or a recipe (`deserialize`)."""
+    return next((n for n, p in BUILT_IN.items() if p == self),
+                self._config())
+
+  def _config(self):
+    raise NotImplementedError
+
+  def __repr__(self):
+    return f"<tfremat policy {self.name}>"
 
 
-def nothing_saveable(op):
-  """Keep nothing: every tensor is recomputed (the default)."""
-  del op
-  return False
+@dataclasses.dataclass(frozen=True, repr=False)
+class _Kind(Policy):
+  """A built-in policy: keeps the outputs of one kind of op."""
+  kind: str
+  test: object = dataclasses.field(compare=False)
+
+  def keeps(self, op):
+    return self.test(op)
+
+  def _name(self):
+    return self.kind
+
+  def _config(self):
+    return self.kind
 
 
-def everything_saveable(op):
-  """Keep every op's outputs: nothing is recomputed."""
-  del op
-  return True
+@dataclasses.dataclass(frozen=True, repr=False)
+class _Named(Policy):
+  """Keeps the tensors named with `checkpoint_name` (`keep_named`), or
+  everything except them."""
+  names: tuple
+  keep_named: bool
+
+  @property
+  def unsave_named_inputs(self):
+    return not self.keep_named
+
+  def keeps(self, op):
+    return (op.checkpoint_name in self.names) == self.keep_named
+
+  def _maker(self):
+    return ("save_only_these_names" if self.keep_named else
+            "save_anything_except_these_names")
+
+  def _name(self):
+    return f"{self._maker()}({', '.join(map(repr, self.names))})"
+
+  def _config(self):
+    return {self._maker(): list(self.names)}
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class _AnyOf(Policy):
+  """Keeps what any of its parts keeps (made by `|`)."""
+  parts: frozenset
+
+  @property
+  def unsave_named_inputs(self):
+    return any(getattr(p, "unsave_named_inputs", False) for p in self.parts)
+
+  def keeps(self, op):
+    return any(bool(p(op)) for p in self._ordered())
+
+  def _ordered(self):
+    # One order for equal unions: Policies by their config, then functions.
+    return sorted(self.parts, key=lambda p: (
+        (0, str(p.get_config())) if isinstance(p, Policy) else
+        (1, name_of(p))))
+
+  def _name(self):
+    return " | ".join(name_of(p) for p in self._ordered())
+
+  def _config(self):
+    return {"any_of": [serialize(p) for p in self._ordered()]}
+
+
+def _any_of(first, second):
+  """`first | second`: a policy keeping what either keeps."""
+  parts = set()
+  for policy in (first, second):
+    policy = policy if isinstance(policy, Policy) else get(policy)
+    if policy == everything_saveable:
+      return everything_saveable
+    if isinstance(policy, _AnyOf):
+      parts |= policy.parts
+    elif policy != nothing_saveable:
+      parts.add(policy)
+  if not parts:
+    return nothing_saveable
+  if len(parts) == 1:
+    return next(iter(parts))
+  return _AnyOf(frozenset(parts))
 
 
 _MATMULS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
@@ -194,52 +319,34 @@ def _has_batch_dims(op):
   return False
 
 
-def dots_saveable(op):
-  """Keep the outputs of matrix products and convolutions."""
-  return _is_dot(op)
-
-
-def dots_with_no_batch_dims_saveable(op):
-  """Keep the outputs of matrix products without batch dimensions on both
-  operands (dense layers, projections) and of convolutions; products such as
-  attention's scores are recomputed."""
-  return _is_dot(op) and not _has_batch_dims(op)
-
-
-def masks_saveable(op):
-  """Keep boolean outputs (dropout masks, comparisons)."""
-  return bool(op.output_dtypes) and all(d == tf.bool for d in op.output_dtypes)
-
-
-def softmax_saveable(op):
-  """Keep the outputs of softmaxes (attention probabilities)."""
-  return op.type in ("Softmax", "LogSoftmax")
-
-
-def dots_and_masks_saveable(op):
-  """`dots_saveable` and `masks_saveable` together."""
-  return dots_saveable(op) or masks_saveable(op)
-
-
-def dots_with_no_batch_dims_and_masks_saveable(op):
-  """`dots_with_no_batch_dims_saveable` and `masks_saveable` together."""
-  return dots_with_no_batch_dims_saveable(op) or masks_saveable(op)
-
-
-def masks_and_softmax_saveable(op):
-  """`masks_saveable` and `softmax_saveable` together."""
-  return masks_saveable(op) or softmax_saveable(op)
-
-
-def dots_masks_and_softmax_saveable(op):
-  """`dots_saveable`, `masks_saveable` and `softmax_saveable` together."""
-  return dots_and_masks_saveable(op) or softmax_saveable(op)
-
-
-def dots_with_no_batch_dims_masks_and_softmax_saveable(op):
-  """`dots_with_no_batch_dims_saveable`, `masks_saveable` and
-  `softmax_saveable` together."""
-  return dots_with_no_batch_dims_and_masks_saveable(op) or softmax_saveable(op)
+# Keep nothing: every tensor is recomputed (the default).
+nothing_saveable = _Kind("nothing_saveable", lambda op: False)
+# Keep every op's outputs: nothing is recomputed.
+everything_saveable = _Kind("everything_saveable", lambda op: True)
+# Keep the outputs of matrix products and convolutions.
+dots_saveable = _Kind("dots_saveable", _is_dot)
+# Keep the outputs of matrix products without batch dimensions on both
+# operands (dense layers, projections) and of convolutions; products such as
+# attention's scores are recomputed.
+dots_with_no_batch_dims_saveable = _Kind(
+    "dots_with_no_batch_dims_saveable",
+    lambda op: _is_dot(op) and not _has_batch_dims(op))
+# Keep boolean outputs (dropout masks, comparisons).
+masks_saveable = _Kind(
+    "masks_saveable", lambda op: bool(op.output_dtypes) and all(
+        d == tf.bool for d in op.output_dtypes))
+# Keep the outputs of softmaxes (attention probabilities).
+softmax_saveable = _Kind("softmax_saveable",
+                         lambda op: op.type in ("Softmax", "LogSoftmax"))
+# The unions, under the names users already use.
+dots_and_masks_saveable = dots_saveable | masks_saveable
+dots_with_no_batch_dims_and_masks_saveable = (
+    dots_with_no_batch_dims_saveable | masks_saveable)
+masks_and_softmax_saveable = masks_saveable | softmax_saveable
+dots_masks_and_softmax_saveable = (
+    dots_saveable | masks_saveable | softmax_saveable)
+dots_with_no_batch_dims_masks_and_softmax_saveable = (
+    dots_with_no_batch_dims_saveable | masks_saveable | softmax_saveable)
 
 
 def _names(names, caller):
@@ -253,61 +360,36 @@ def _names(names, caller):
 def save_only_these_names(*names):
   """A policy keeping the tensors named with `checkpoint_name(x, name)` for
   one of `names`, and nothing else."""
-  names = _names(names, "save_only_these_names")
-
-  def policy(op):
-    return op.checkpoint_name in names
-
-  policy.config = {"save_only_these_names": list(names)}
-  return _policy(policy, f"save_only_these_names({', '.join(map(repr, names))})")
+  return _Named(_names(names, "save_only_these_names"), keep_named=True)
 
 
 def save_anything_except_these_names(*names):
   """A policy keeping every op's outputs except the tensors named with
   `checkpoint_name(x, name)` for one of `names`: those, and the op that
   computed each, are recomputed."""
-  names = _names(names, "save_anything_except_these_names")
-
-  def policy(op):
-    return op.checkpoint_name not in names
-
-  policy.config = {"save_anything_except_these_names": list(names)}
-  policy.unsave_named_inputs = True
-  return _policy(policy, "save_anything_except_these_names("
-                 f"{', '.join(map(repr, names))})")
+  return _Named(_names(names, "save_anything_except_these_names"),
+                keep_named=False)
 
 
 def save_from_both_policies(first, second):
-  """A policy keeping what either policy keeps."""
-  first, second = get(first), get(second)
-
-  def policy(op):
-    return bool(first(op)) or bool(second(op))
-
-  policy.unsave_named_inputs = (
-      getattr(first, "unsave_named_inputs", False) or
-      getattr(second, "unsave_named_inputs", False))
-  policy.config = {"save_from_both_policies": [serialize(first),
-                                               serialize(second)]}
-  return _policy(policy, f"save_from_both_policies({name_of(first)}, "
-                 f"{name_of(second)})")
+  """A policy keeping what either policy keeps: `first | second`."""
+  return _any_of(first, second)
 
 
-BUILT_IN = {
-    "nothing_saveable": nothing_saveable,
-    "everything_saveable": everything_saveable,
-    "dots_saveable": dots_saveable,
-    "dots_with_no_batch_dims_saveable": dots_with_no_batch_dims_saveable,
-    "masks_saveable": masks_saveable,
-    "dots_and_masks_saveable": dots_and_masks_saveable,
-    "dots_with_no_batch_dims_and_masks_saveable":
-        dots_with_no_batch_dims_and_masks_saveable,
-    "softmax_saveable": softmax_saveable,
-    "masks_and_softmax_saveable": masks_and_softmax_saveable,
-    "dots_masks_and_softmax_saveable": dots_masks_and_softmax_saveable,
-    "dots_with_no_batch_dims_masks_and_softmax_saveable":
-        dots_with_no_batch_dims_masks_and_softmax_saveable,
-}
+BUILT_IN = {p.kind if isinstance(p, _Kind) else name: p for name, p in (
+    ("nothing_saveable", nothing_saveable),
+    ("everything_saveable", everything_saveable),
+    ("dots_saveable", dots_saveable),
+    ("dots_with_no_batch_dims_saveable", dots_with_no_batch_dims_saveable),
+    ("masks_saveable", masks_saveable),
+    ("dots_and_masks_saveable", dots_and_masks_saveable),
+    ("dots_with_no_batch_dims_and_masks_saveable",
+     dots_with_no_batch_dims_and_masks_saveable),
+    ("softmax_saveable", softmax_saveable),
+    ("masks_and_softmax_saveable", masks_and_softmax_saveable),
+    ("dots_masks_and_softmax_saveable", dots_masks_and_softmax_saveable),
+    ("dots_with_no_batch_dims_masks_and_softmax_saveable",
+     dots_with_no_batch_dims_masks_and_softmax_saveable))}
 
 # What the planner chooses among, besides keeping and rematerializing fully
 # (everything_saveable is keeping, at a higher cost): the policies on the
@@ -323,19 +405,26 @@ PLANNED = ("dots_masks_and_softmax_saveable",
 
 def serialize(policy):
   """A JSON-able form of a policy (for a layer's config): a built-in's name,
-  a composed policy's recipe, or Keras's serialization of a function (which
-  loads where the function is importable or registered with
+  a `Policy`'s recipe, or Keras's serialization of a function (which loads
+  where the function is importable or registered with
   `keras.saving.register_keras_serializable`). None stays None."""
   if policy is None or isinstance(policy, str):
     return policy
-  for name, fn in BUILT_IN.items():
-    if policy is fn:
-      return name
-  config = getattr(policy, "config", None)
-  if config is not None:
-    return dict(config)
+  if isinstance(policy, Policy):
+    return policy.get_config()
   import keras  # pylint: disable=g-import-not-at-top
   return keras.saving.serialize_keras_object(policy)
+
+
+_RECIPES = {
+    "save_only_these_names": lambda v: save_only_these_names(*v),
+    "save_anything_except_these_names":
+        lambda v: save_anything_except_these_names(*v),
+    "any_of": lambda v: functools.reduce(_any_of, map(deserialize, v)),
+    # Written by earlier versions for save_from_both_policies(a, b).
+    "save_from_both_policies":
+        lambda v: functools.reduce(_any_of, map(deserialize, v)),
+}
 
 
 def deserialize(config):
@@ -344,12 +433,8 @@ def deserialize(config):
     return get(config) if config is not None else None
   if isinstance(config, dict) and len(config) == 1:
     (key, value), = config.items()
-    if key == "save_only_these_names":
-      return save_only_these_names(*value)
-    if key == "save_anything_except_these_names":
-      return save_anything_except_these_names(*value)
-    if key == "save_from_both_policies":
-      return save_from_both_policies(*[deserialize(v) for v in value])
+    if key in _RECIPES:
+      return _RECIPES[key](value)
   import keras  # pylint: disable=g-import-not-at-top
   return get(keras.saving.deserialize_keras_object(config))
 
@@ -408,15 +493,17 @@ def get(policy):
 
 
 def name_of(policy):
-  """A policy's name, as serialized and printed; None for no policy."""
+  """A policy's name, as printed; None for no policy."""
   if policy is None:
     return None
   if isinstance(policy, str):
     return policy
+  if isinstance(policy, Policy):
+    return policy.name
   return getattr(policy, "__name__", repr(policy))
 
 
 def is_nothing(policy):
-  """Whether `policy` keeps nothing, i.e. is today's full rematerialization."""
-  return policy is None or policy is nothing_saveable or (
-      policy == "nothing_saveable")
+  """Whether `policy` keeps nothing: full rematerialization."""
+  return (policy is None or policy == "nothing_saveable" or
+          (isinstance(policy, Policy) and policy == nothing_saveable))
