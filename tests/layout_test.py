@@ -82,3 +82,22 @@ def test_each_idea_sits_at_its_level():
   library = set(graph) - top - {"__init__"}
   assert not any(graph[m] & {"bench"} for m in graph), graph
   assert not any(graph[m] & top for m in library), graph
+
+
+def test_every_module_says_what_it_exports():
+  # `__all__` in the package and every module, and each name in it exists.
+  import importlib  # pylint: disable=g-import-not-at-top
+  for path in sorted(PACKAGE.glob("*.py")):
+    name = "tfremat" if path.stem == "__init__" else f"tfremat.{path.stem}"
+    module = importlib.import_module(name)
+    assert isinstance(getattr(module, "__all__", None), list), name
+    missing = [n for n in module.__all__ if not hasattr(module, n)]
+    assert not missing, (name, missing)
+
+
+def test_the_lingvo_api_is_gathered_and_old_paths_still_work():
+  from tfremat import builder, builder_layers, hyperparams, lingvo, step_seed  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  assert lingvo.Params is hyperparams.Params
+  assert lingvo.Base is builder.Base
+  assert lingvo.layers is builder_layers
+  assert lingvo.GetStepSeed is step_seed.GetStepSeed

@@ -57,6 +57,7 @@ if "TF_CPP_MIN_LOG_LEVEL" not in os.environ and _own_program():
 from tfremat import builder
 from tfremat import chain
 from tfremat import hyperparams
+from tfremat import lingvo
 from tfremat import measure
 from tfremat import planner
 from tfremat import policies
@@ -83,3 +84,38 @@ from tfremat.step_seed import ResetStepSeed
 from tfremat.step_seed import SetGlobalStep
 
 __version__ = "0.1.0"
+
+__all__ = [
+    # Rematerializing a function, a layer, a chain, a model.
+    "RematerializeFn",
+    "rematerialize",
+    "RematerializationLayer",
+    "RematSequential",
+    "remat_sequential",
+    "remat_model",
+    "chain_units",
+    "remat_in_place",
+    "undo_remat_in_place",
+    "is_remat_in_place",
+    # What is kept, and errors.
+    "checkpoint_name",
+    "saved_residuals",
+    "RerunMismatchError",
+    "UnreplayableOpError",
+    # Lingvo's step seeds (also in tfremat.lingvo).
+    "DeterministicDropout",
+    "GenerateStepSeedPair",
+    "GetGlobalStep",
+    "GetIncStepSeed",
+    "GetStepSeed",
+    "ResetStepSeed",
+    "SetGlobalStep",
+    # Modules.
+    "builder",
+    "chain",
+    "hyperparams",
+    "lingvo",
+    "measure",
+    "planner",
+    "policies",
+]

@@ -60,6 +60,18 @@ from tfremat import models
 from tfremat import planner
 from tfremat import policies
 
+__all__ = [
+    "main",
+    "define_flags",
+    "chain_and_batch",
+    "measure_methods",
+    "format_table",
+    "format_scheme_table",
+    "uniform_schemes",
+    "policy_schemes",
+    "METHODS",
+]
+
 METHODS = ("none", "tf.recompute_grad", "keras.remat", "tfremat",
            "tfremat.layer")
 

@@ -30,6 +30,10 @@ from tfremat import policies as policies_lib
 from tfremat.chain import checked_plan
 from tfremat.layers import RematerializationLayer
 
+__all__ = [
+    "Base",
+]
+
 
 class Base:
   """Builds Params for layer stacks; subclass it to add model helpers."""

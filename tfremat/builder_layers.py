@@ -13,6 +13,25 @@ import tensorflow as tf
 from tfremat import hyperparams
 from tfremat import step_seed
 
+__all__ = [
+    "BaseLayer",
+    "SequentialLayer",
+    "RepeatLayer",
+    "ConcatMerge",
+    "Add",
+    "ParallelLayer",
+    "FnLayer",
+    "IdentityLayer",
+    "ArgIndexLayer",
+    "LinearLayer",
+    "BiasLayer",
+    "LayerNorm",
+    "DeterministicDropoutLayer",
+    "KerasDropoutLayer",
+    "MultiHeadAttentionLayer",
+    "EmbeddingLayer",
+]
+
 
 def _ToTuple(xs):
   return tuple(xs) if isinstance(xs, (tuple, list)) else (xs,)

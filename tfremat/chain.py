@@ -26,6 +26,25 @@ from tfremat import policies as policies_lib
 from tfremat import residuals
 from tfremat.layers import RematerializationLayer
 
+__all__ = [
+    "ContextUnit",
+    "ContextSegment",
+    "RematSequential",
+    "remat_sequential",
+    "planned_policies",
+    "checked_plan",
+    "retracing_quiet",
+    "training_step",
+    "measure_layer",
+    "measure_peak",
+    "measure_peaks",
+    "structure_key",
+    "measure_chain",
+    "PLANNED_ORDER",
+    "CHECK_CALLS",
+    "WAITING_PROBE_LAYERS",
+]
+
 
 @keras.saving.register_keras_serializable(package="tfremat")
 class ContextUnit(keras.layers.Layer):

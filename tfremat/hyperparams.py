@@ -21,6 +21,12 @@ import os
 import re
 import sys
 
+__all__ = [
+    "Params",
+    "InstantiableParams",
+    "IsInstantiable",
+]
+
 
 class _Param:
   """One defined parameter: its name, value and description."""

@@ -22,6 +22,12 @@ from tfremat import policies
 from tfremat import remat
 from tfremat.layers import refuse_keras2
 
+__all__ = [
+    "remat_in_place",
+    "undo_remat_in_place",
+    "is_remat_in_place",
+]
+
 # Set on a layer remat_in_place rematerializes: its remat mode before.
 _MARK = "_tfremat_remat_mode_before"
 

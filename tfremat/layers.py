@@ -15,6 +15,11 @@ from tfremat import hyperparams
 from tfremat import policies
 from tfremat import remat
 
+__all__ = [
+    "RematerializationLayer",
+    "refuse_keras2",
+]
+
 
 def refuse_keras2(obj, caller):
   """Raises TypeError if `obj` is a Keras 2 (tf_keras) layer or model.

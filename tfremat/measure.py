@@ -23,6 +23,19 @@ import time
 import numpy as np
 import tensorflow as tf
 
+__all__ = [
+    "memory_device",
+    "current_bytes",
+    "peak_bytes",
+    "peaks",
+    "replicated",
+    "median_seconds",
+    "seconds",
+    "format_bytes",
+    "progress_bar",
+    "PEAK_CALLS",
+]
+
 # The peak of one traced step varies from call to call (by up to 10% on a
 # 2-core CPU machine: the executor's threads order independent ops
 # differently; on the benchmark's MLP, 97-107 MiB over 18 calls of one

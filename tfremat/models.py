@@ -9,6 +9,13 @@ import keras
 
 from tfremat.layers import RematerializationLayer
 
+__all__ = [
+    "residual_mlp",
+    "transformer_block",
+    "transformer_parts",
+    "transformer_lm",
+]
+
 
 def residual_mlp(blocks, width, dropout, seed=0, residual_inside=False):
   """`blocks` blocks h -> Dense(4w, relu) -> Dropout -> Dense(w).

@@ -31,6 +31,29 @@ import numpy as np
 
 from tfremat import measure
 
+__all__ = [
+    "Measured",
+    "LayerCost",
+    "Segment",
+    "Budget",
+    "Plan",
+    "plan",
+    "calibrated_plan",
+    "predict",
+    "check_segments",
+    "segment_policies",
+    "smallest_budget",
+    "short_policy_name",
+    "floor_terms",
+    "unreachable_budget_error",
+    "infeasible_budget_error",
+    "keep_all",
+    "uniform_segments",
+    "ALLOCATOR_MARGIN",
+    "FASTER_BY",
+    "LEGEND",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class Measured:

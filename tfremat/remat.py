@@ -60,6 +60,14 @@ from tfremat import selective
 from tfremat import state
 from tfremat import step_seed
 
+__all__ = [
+    "RematerializeFn",
+    "rematerialize",
+    "RerunMismatchError",
+    "rematerialize_with_losses",
+    "DETERMINISM_CHECKS",
+]
+
 DETERMINISM_CHECKS = ("default", "values", "none")
 
 # AutoGraph converts the source of every function a converted function calls,

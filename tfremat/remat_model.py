@@ -29,6 +29,13 @@ from tfremat import remat
 from tfremat.layers import RematerializationLayer
 from tfremat.layers import refuse_keras2
 
+__all__ = [
+    "remat_model",
+    "chain_units",
+    "RematerializeActivation",
+    "MODES",
+]
+
 MODES = ("full", "activations", "larger_than", "list_of_layers")
 
 

@@ -19,6 +19,12 @@ from tfremat import measure
 from tfremat import policies
 from tfremat import remat
 
+__all__ = [
+    "saved_residuals",
+    "Residual",
+    "Residuals",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class Residual:

@@ -36,6 +36,14 @@ from tensorflow.python.ops import array_ops
 
 from tfremat import policies
 
+__all__ = [
+    "describe",
+    "Saved",
+    "ForwardSaver",
+    "in_graph",
+    "RerunReplacer",
+]
+
 # Never kept: they compute nothing worth keeping, or their gradient is not
 # their type's registered one, or their meaning depends on where they run.
 _NEVER = frozenset([

@@ -29,6 +29,19 @@ from tensorflow.python.ops import resource_variable_ops
 
 from tfremat import selective
 
+__all__ = [
+    "UnreplayableOpError",
+    "counted_op_type",
+    "OpTypes",
+    "ForwardOps",
+    "capture_origin",
+    "record_capture",
+    "read_value",
+    "RecordingScope",
+    "ForwardState",
+    "replaying",
+]
+
 # Stateful random op types, with the public API that creates each.
 _STATEFUL_RANDOM_OPS = {
     "RandomUniform": "tf.random.uniform or tf.nn.dropout",

@@ -21,6 +21,19 @@ import threading
 
 import tensorflow as tf
 
+__all__ = [
+    "ResetStepSeed",
+    "GetStepSeed",
+    "GetIncStepSeed",
+    "SetGlobalStep",
+    "HasGlobalStep",
+    "GetGlobalStep",
+    "GenerateStepSeedPair",
+    "SeedPair",
+    "DeterministicDropout",
+    "replaying",
+]
+
 _COLLECTION = "tfremat_step_seed"
 _eager_state = threading.local()
 
