@@ -118,6 +118,18 @@ def test_impossible_budget_names_the_smallest_that_works():
     planner.plan(costs, need - 1)
   assert planner.plan(costs, need).peak_bytes <= need
 
+def test_feasibility_agrees_with_the_fastest_plans_search():
+  # smallest_budget's binary search asks only whether some plan fits, with
+  # one number per position; _fastest's fronts must agree at every budget.
+  for seed in range(4):
+    costs = random_costs(np.random.default_rng(20 + seed), 9)
+    table = planner._segment_table(costs)  # pylint: disable=protected-access
+    need = planner.smallest_budget(costs)
+    for budget in (need - 1, need, need + 1, int(1.2 * need), 2 * need):
+      fits = planner._fits(costs, budget, table)  # pylint: disable=protected-access
+      assert fits == (planner._fastest(costs, budget) is not None), budget  # pylint: disable=protected-access
+    assert not planner._fits(costs, need - 1, table)  # pylint: disable=protected-access
+
 def test_full_budget_rematerializes_nothing_and_plan_prints():
   costs = random_costs(np.random.default_rng(4), 5)
   keep = planner.keep_all(5)

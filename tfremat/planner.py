@@ -341,12 +341,22 @@ def _candidates(n, policies=()):
         yield Segment(start, stop, True, policy)
 
 
-def _fastest(costs, budget):
-  """The fastest plan with predicted peak <= budget, or None."""
+def _segment_table(costs):
+  """Every candidate segment's `_segment_terms`, by its start: a list of
+  [(segment, (peak, retained, seconds))] per start. Computed once per chain
+  and shared by every budget searched."""
+  table = [[] for _ in costs]
+  for seg in _candidates(len(costs), segment_policies(costs)):
+    table[seg.start].append((seg, _segment_terms(costs, seg)))
+  return table
+
+
+def _fastest(costs, budget, table=None):
+  """The fastest plan with predicted peak <= budget, or None. `table`:
+  `_segment_table(costs)`, if already computed."""
   n = len(costs)
   after = _grads_after(costs)
-  terms = {s: _segment_terms(costs, s)
-           for s in _candidates(n, segment_policies(costs))}
+  table = _segment_table(costs) if table is None else table
   # fronts[i]: Pareto-optimal (retained, seconds, segments) at position i.
   fronts = [[] for _ in range(n + 1)]
   fronts[0] = [(0, 0.0, ())]
@@ -358,8 +368,7 @@ def _fastest(costs, budget):
         pruned.append(state)
         best = state[1]
     for retained, seconds, segs in pruned:
-      for seg in (s for s in terms if s.start == start):
-        seg_peak, seg_retained, seg_seconds = terms[seg]
+      for seg, (seg_peak, seg_retained, seg_seconds) in table[start]:
         if retained + after[seg.stop - 1] + seg_peak > budget:
           continue
         fronts[seg.stop].append((retained + seg_retained,
@@ -369,13 +378,33 @@ def _fastest(costs, budget):
   return min(finals, key=lambda f: f[0])[1] if finals else None
 
 
+def _fits(costs, budget, table):
+  """Whether some plan's predicted peak is within `budget`.
+
+  Less retained is never worse for what follows, so the least retained
+  bytes at each position, over plans within the budget so far, decide it:
+  one number per position instead of `_fastest`'s (retained, time) fronts.
+  """
+  after = _grads_after(costs)
+  least = [math.inf] * (len(costs) + 1)
+  least[0] = 0
+  for start, candidates in enumerate(table):
+    if least[start] == math.inf:
+      continue
+    for seg, (seg_peak, seg_retained, _) in candidates:
+      if least[start] + after[seg.stop - 1] + seg_peak <= budget:
+        least[seg.stop] = min(least[seg.stop], least[start] + seg_retained)
+  return least[-1] + costs[-1].output_bytes <= budget
+
+
 def smallest_budget(costs):
   """The smallest budget (bytes) for which some plan fits."""
+  table = _segment_table(costs)
   lo, hi = 0, predict(costs, [Segment(0, len(costs), False)])[0]
   hi = max(hi, predict(costs, uniform_segments(len(costs), len(costs)))[0])
   while lo < hi:
     mid = (lo + hi) // 2
-    if _fastest(costs, mid) is None:
+    if not _fits(costs, mid, table):
       lo = mid + 1
     else:
       hi = mid
