@@ -101,3 +101,36 @@ def test_the_lingvo_api_is_gathered_and_old_paths_still_work():
   assert lingvo.Base is builder.Base
   assert lingvo.layers is builder_layers
   assert lingvo.GetStepSeed is step_seed.GetStepSeed
+
+
+def _code_lines(node):
+  """A definition's lines, its docstring left out."""
+  lines = node.end_lineno - node.lineno + 1
+  first = node.body[0] if node.body else None
+  if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+      and isinstance(first.value.value, str)):
+    lines -= first.end_lineno - first.lineno + 1
+  return lines
+
+
+def _too_long(functions=60, classes=250):
+  found = []
+  for path in sorted(PACKAGE.glob("*.py")):
+    if path.stem == "bench":  # A script of tables, read top to bottom.
+      continue
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        limit = functions
+      elif isinstance(node, ast.ClassDef):
+        limit = classes
+      else:
+        continue
+      if _code_lines(node) > limit:
+        found.append(f"{path.stem}.{node.name}: {_code_lines(node)} lines")
+  return found
+
+
+def test_functions_and_classes_stay_short_enough_to_read():
+  # Docstrings aside: at most 60 lines a function, 250 a class.
+  assert not _too_long(), _too_long()
+  assert _too_long(functions=5)  # The check itself finds long ones.

@@ -39,8 +39,10 @@ gradient computation outside the call adds the paths between them (README,
 "partial derivatives").
 """
 
+import collections
 import contextlib
 import copy
+import dataclasses
 import functools
 
 import numpy as np
@@ -275,10 +277,7 @@ def rematerialize_with_losses(fn, xs, on_losses=_refuse_losses,
         "determinism_check='values' cannot run under XLA (jit_compile), which "
         "drops assertions. Check values with the same step run eagerly or in "
         "a tf.function without jit_compile.")
-  call = _Call(fn, xs, determinism_check, policy)
-  for observer in _observers:
-    observer.append(call)
-  return call.forward(on_losses)
+  return _forward(fn, xs, determinism_check, policy, on_losses)
 
 
 def _in_keras_symbolic_call():
@@ -291,181 +290,275 @@ def _in_keras_symbolic_call():
   return symbolic_scope.in_symbolic_scope()
 
 
-class _Call:
-  """One rematerialized call: its forward pass, and the rerun it attaches."""
+def _announce():
+  """Reserves the next slot in every open observer list (`_observers`), so
+  that an outer call is listed before the calls nested in it; returns a
+  function that fills the slots with the call's `_Forward`."""
+  slots = []
+  for observer in _observers:
+    slots.append((observer, len(observer)))
+    observer.append(None)
 
-  def __init__(self, fn, xs, determinism_check, policy):
-    self.context = _ForwardContext()
-    self.fn = self.context.convert(fn)
-    self.eager = tf.executing_eagerly()
-    if not self.eager:
-      # An eager tensor passed in a graph is the graph's capture of it, as
-      # every op that reads it sees it: one source, not an input and a
-      # closure that are the same tensor (its gradient would count twice).
-      xs = tf.nest.map_structure(_in_current_graph, xs)
-    self.xs = xs
-    self.leaves = tf.nest.flatten(xs)
-    self.determinism_check = determinism_check
-    # Eager ops run as they are called: nothing could be skipped.
-    self.policy = None if self.eager or policies.is_nothing(policy) else policy
-    self.saver = None
+  def fill(forward):
+    for observer, index in slots:
+      observer[index] = forward
+
+  return fill
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Forward:
+  """What one rematerialized call's forward pass leaves for its backward pass.
+
+  Built once the forward pass has run and never changed: the backward pass
+  reads only this record (docs/design.md, "The rerun is the forward pass's
+  own program").
+  """
+
+  fn: object  # As both passes call it (invariant 4, AutoGraph).
+  context: _ForwardContext  # Invariants 2 and 3.
+  xs: object  # The arguments' structure; their leaves are `leaves`.
+  leaves: tuple
+  eager: bool  # Invariant 1: the backward pass runs in the same mode.
+  determinism_check: str
+  seed: object  # Step seed and global step, replayed (invariant 5).
+  global_step: object
+  # A tape the function opens itself differentiates variables in the forward
+  # pass and replayed values in the rerun, which build different gradient
+  # ops: the op types are not compared then (invariant 9).
+  inner_tape: bool
+  op_types: tuple
+  # The outputs' structure alone: holding the outputs would keep them alive
+  # until the backward pass.
+  structure: object
+  attached: tuple  # Positions of the differentiable outputs.
+  specs: tuple  # Their (dtype, shape).
+  losses: tuple  # What `fn` passed to add_loss.
+  forward_values: object  # The attached outputs under "values", else None.
+  sources: tuple  # `_Source`s: what the gradient is computed for.
+  keras_variables: tuple  # Replayed at `keras_values` (invariant 5).
+  keras_values: tuple
+  saver: object  # What a policy kept (`selective.ForwardSaver`), or None.
 
   def call(self, leaves):
     return self.fn(*tf.nest.pack_sequence_as(self.xs, leaves))
 
-  def forward(self, on_losses):
-    self.seed = step_seed.GetStepSeed()
-    # None: no global step; the rerun then sees none either.
-    self.global_step = (step_seed.GetGlobalStep()
-                        if step_seed.HasGlobalStep() else None)
-    outputs, recorded, ops, watched = self._run_forward()
-    # A tape the function opens itself differentiates variables in the
-    # forward pass and replayed values in the rerun, which build different
-    # gradient ops: the op types are not compared then.
-    self.inner_tape = ops.inner_tape_used
-    self.forward_op_types = ops.op_types
-    flat = tf.nest.flatten(outputs)
-    # The structure alone: holding the outputs would keep them alive until
-    # the backward pass.
-    self.structure = tf.nest.map_structure(lambda _: None, outputs)
-    self.attached = [i for i, y in enumerate(flat)
-                     if isinstance(y, tf.Tensor) and _is_differentiable(y)]
-    self.specs = [(flat[i].dtype, flat[i].shape) for i in self.attached]
-    if recorded.losses:
-      on_losses(recorded.losses)
-    self.losses = recorded.losses
-    sources = self._sources(recorded, ops, watched)
-    if (not self.attached and not self.losses) or not sources:
-      # Nothing to differentiate, or nothing the gradient could reach.
-      recorded.apply_updates()
-      return outputs, [(loss, loss) for loss in self.losses]
-    self.forward_values = ([flat[i] for i in self.attached]
-                           if self.determinism_check == "values" else None)
 
-    self.connected = set()
+class _ForwardRun(collections.namedtuple(
+    "_ForwardRun", "outputs recorded ops watched saver")):
+  """The results of running a function's forward pass (`_run_forward`)."""
 
-    @tf.custom_gradient
-    def attach(*unused_sources):
-      return [flat[i] for i in self.attached] + self.losses, self._grad_fn
 
-    # A forward accumulator calls the gradient function while the call is
-    # being recorded; that raises, so before any update is applied.
-    self.attaching = True
-    try:
-      results = attach(*[s.tensor for s in sources])
-    finally:
-      self.attaching = False
-    recorded.apply_updates()
-    results = [_mark_connected(y, i, self.connected)
-               for i, y in enumerate(results)]
-    for i, y in zip(self.attached, results):
-      flat[i] = y
-    outputs = tf.nest.pack_sequence_as(outputs, flat)
-    return outputs, list(zip(self.losses, results[len(self.attached):]))
+def _forward(fn, xs, determinism_check, policy, on_losses):
+  """Runs a rematerialized call's forward pass and attaches its rerun."""
+  fill = _announce()
+  context = _ForwardContext()
+  fn = context.convert(fn)
+  eager = tf.executing_eagerly()
+  if not eager:
+    # An eager tensor passed in a graph is the graph's capture of it, as
+    # every op that reads it sees it: one source, not an input and a closure
+    # that are the same tensor (invariant 7).
+    xs = tf.nest.map_structure(_in_current_graph, xs)
+  leaves = tuple(tf.nest.flatten(xs))
+  # Eager ops run as they are called: nothing could be skipped.
+  policy = None if eager or policies.is_nothing(policy) else policy
+  seed = step_seed.GetStepSeed()
+  # None: no global step; the rerun then sees none either.
+  global_step = (step_seed.GetGlobalStep()
+                 if step_seed.HasGlobalStep() else None)
+  call = lambda leaves_: fn(*tf.nest.pack_sequence_as(xs, leaves_))
+  run = _run_forward(call, context, leaves, policy, seed)
+  flat = tf.nest.flatten(run.outputs)
+  attached = tuple(i for i, y in enumerate(flat)
+                   if isinstance(y, tf.Tensor) and _is_differentiable(y))
+  forward = _Forward(
+      fn=fn, context=context, xs=xs, leaves=leaves, eager=eager,
+      determinism_check=determinism_check, seed=seed,
+      global_step=global_step, inner_tape=run.ops.inner_tape_used,
+      op_types=tuple(run.ops.op_types),
+      structure=tf.nest.map_structure(lambda _: None, run.outputs),
+      attached=attached,
+      specs=tuple((flat[i].dtype, flat[i].shape) for i in attached),
+      losses=tuple(run.recorded.losses),
+      forward_values=(tuple(flat[i] for i in attached)
+                      if determinism_check == "values" else None),
+      sources=_find_sources(eager, leaves, run),
+      keras_variables=tuple(run.recorded.variables),
+      keras_values=tuple(run.recorded.values),
+      saver=run.saver)
+  fill(forward)
+  if forward.losses:
+    on_losses(list(forward.losses))
+  if (not attached and not forward.losses) or not forward.sources:
+    # Nothing to differentiate, or nothing the gradient could reach.
+    run.recorded.apply_updates()
+    return run.outputs, [(loss, loss) for loss in forward.losses]
+  return _attach(forward, run)
 
-  def _run_forward(self):
-    """Runs the forward pass, keeping nothing for the backward pass.
 
-    Layers built on this call create their variables inside the recording
-    scope, where Keras only initializes them on exit; the outputs of that run
-    used placeholder weights, so the pass runs again, from the same step
-    seed, once the variables exist.
-    """
-    inputs = [x for x in self.leaves if isinstance(x, tf.Tensor)]
-    for _ in range(2):
-      with record.stop_recording(), self.context:
-        with record.VariableWatcher() as watcher:
-          with state.RecordingScope() as scope, state.ForwardOps(inputs) as ops:
-            with self._saving() as saver:
-              outputs = self.call(self.leaves)
-      if not scope.created_variables:
-        # A tape the function opens itself differentiates what the forward
-        # pass holds (variables) where the rerun holds replayed values: the
-        # two build different gradient ops, which kept tensors cannot be
-        # matched across, so such a function is recomputed fully.
-        self.saver = (saver if saver is not None and saver.saved and
-                      not ops.inner_tape_used else None)
-        watched = watcher.watched_variables()
-        ops.record_reads(watched)
-        return outputs, state.ForwardState(scope, ops), ops, watched
-      step_seed.ResetStepSeed(self.seed)
-    raise RuntimeError(
-        "RematerializeFn: the function keeps creating variables on every "
-        "call. Create layers and variables once, outside the function, and "
-        "call them inside it.")
+def _run_forward(call, context, leaves, policy, seed):
+  """Runs the forward pass, keeping nothing for the backward pass.
 
-  def _saving(self):
-    """The policy's `selective.ForwardSaver`, or a null context."""
-    if self.policy is None:
-      return contextlib.nullcontext()
-    return selective.ForwardSaver(
-        self.policy, [x for x in self.leaves if isinstance(x, tf.Tensor)])
+  Layers built on this call create their variables inside the recording
+  scope, where Keras only initializes them on exit; the outputs of that run
+  used placeholder weights, so the pass runs again, from the same step seed,
+  once the variables exist.
+  """
+  inputs = [x for x in leaves if isinstance(x, tf.Tensor)]
+  for _ in range(2):
+    with record.stop_recording(), context:
+      with record.VariableWatcher() as watcher:
+        with state.RecordingScope() as scope, state.ForwardOps(inputs) as ops:
+          with _saving(policy, inputs) as saver:
+            outputs = call(leaves)
+    if not scope.created_variables:
+      # Kept tensors cannot be matched across the different gradient ops an
+      # inner tape builds in the two passes (invariant 9): such a function is
+      # recomputed fully.
+      if saver is None or not saver.saved or ops.inner_tape_used:
+        saver = None
+      watched = watcher.watched_variables()
+      ops.record_reads(watched)
+      return _ForwardRun(outputs, state.ForwardState(scope, ops), ops,
+                         watched, saver)
+    step_seed.ResetStepSeed(seed)
+  raise RuntimeError(
+      "RematerializeFn: the function keeps creating variables on every "
+      "call. Create layers and variables once, outside the function, and "
+      "call them inside it.")
 
-  def _sources(self, recorded, ops, watched):
-    """Everything the rerun reads whose gradient may be asked for.
 
-    In eager mode only what a gradient tape is recording is differentiated;
-    in a graph everything is, since `tf.gradients` may ask later.
-    """
-    sources, seen = [], set()
-    if self.eager and not record.could_possibly_record():
-      return sources  # No tape or accumulator: nothing will ask.
+def _saving(policy, inputs):
+  """The policy's `selective.ForwardSaver`, or a null context."""
+  if policy is None:
+    return contextlib.nullcontext()
+  return selective.ForwardSaver(policy, inputs)
 
-    def add(kind, tensor, index=None, variable=None):
-      if id(tensor) in seen or not _is_differentiable(tensor):
-        return
-      seen.add(id(tensor))
-      if self.eager and not _is_recorded(tensor):
-        return
-      sources.append(_Source(kind, tensor, index, variable))
 
-    for i, x in enumerate(self.leaves):
-      if isinstance(x, tf.Tensor):
-        add("input", x, index=i)
-    self.keras_variables = recorded.variables
-    self.keras_values = recorded.values
-    for i, value in enumerate(recorded.before):
-      add("keras", value, index=i)
-    keras_backing = {id(getattr(v, "_value", v)) for v in recorded.variables}
-    keras_backing |= {_handle_id(v) for v in recorded.variables}
-    raw = [x for x in self.leaves if isinstance(x, tf.Variable)]
-    raw += [v for v in watched if isinstance(v, tf.Variable)]
-    for v in raw:
-      if id(v) not in keras_backing and id(v) not in seen:
-        seen.add(id(v))
-        if _is_differentiable(v):
-          read = v.value()
-          if not self.eager or _is_recorded(read):
-            # The rerun reads the forward pass's read (see state.ForwardOps);
-            # `read`, recorded by gradient tapes, carries the gradient.
-            sources.append(_Source("raw", read, variable=v,
-                                   value=ops.first_read(v)))
-    # Variables read without a tape watching the variable object (a
-    # non-trainable tf.Variable the caller watched): found by their handles.
-    covered = keras_backing | {_handle_id(v) for v in raw}
-    for handle, dtype in ops.read_handles():
-      if id(handle) in covered or not (dtype.is_floating or dtype.is_complex):
-        continue
-      covered.add(id(handle))
-      if self.eager and not _is_recorded(handle):
-        continue
-      read = gen_resource_variable_ops.read_variable_op(
-          _in_current_graph(handle), dtype)
-      sources.append(_Source("raw", read, handle=handle,
-                             value=ops.first_read_of_handle(handle)))
-    graph = None if self.eager else tf.compat.v1.get_default_graph()
-    for t in ops.external_tensors():
-      # Constants too: a small eager tensor that a tf.function captures is
-      # inlined as one, and a gradient tape still differentiates it.
-      if self.eager or t.graph is graph:
-        add("closure", t)
-        # A captured tensor is tied to what it captures on the gradient tapes
-        # at each use; the forward pass's use was unrecorded.
-        state.record_capture(t)
-    self.sources = sources
-    return sources
+def _attach(forward, run):
+  """The outputs and losses, with the rerun attached as their gradient."""
+  flat = tf.nest.flatten(run.outputs)
+  gradient = _Gradient(forward)
 
-  def _grad_fn(self, *dys):
+  @tf.custom_gradient
+  def attach(*unused_sources):
+    return ([flat[i] for i in forward.attached] + list(forward.losses),
+            gradient.backward)
+
+  # A forward accumulator calls the gradient function while the call is
+  # being recorded; that raises, so before any update is applied.
+  gradient.attaching = True
+  try:
+    results = attach(*[s.tensor for s in forward.sources])
+  finally:
+    gradient.attaching = False
+  run.recorded.apply_updates()
+  results = [_mark_connected(y, i, gradient.connected)
+             for i, y in enumerate(results)]
+  for i, y in zip(forward.attached, results):
+    flat[i] = y
+  outputs = tf.nest.pack_sequence_as(run.outputs, flat)
+  return outputs, list(zip(forward.losses, results[len(forward.attached):]))
+
+
+class _Sources:
+  """Collects a call's sources, each tensor or variable once."""
+
+  def __init__(self, eager):
+    self.eager = eager
+    self.found = []
+    self._seen = set()
+
+  def first_time(self, obj):
+    if id(obj) in self._seen:
+      return False
+    self._seen.add(id(obj))
+    return True
+
+  def add(self, source):
+    """Adds `source` unless it is a tensor already seen or not float."""
+    if _is_differentiable(source.tensor) and self.first_time(source.tensor):
+      self.add_if_recorded(source)
+
+  def add_if_recorded(self, source, recorded_as=None):
+    """Adds `source` where a gradient may be asked for it: in a graph always
+    (`tf.gradients` may ask later), in eager mode when a tape records it."""
+    if not self.eager or _is_recorded(
+        source.tensor if recorded_as is None else recorded_as):
+      self.found.append(source)
+
+
+def _find_sources(eager, leaves, run):
+  """Everything the rerun reads whose gradient may be asked for (invariants
+  7 and 8): inputs, Keras variables, raw variables, closure captures."""
+  if eager and not record.could_possibly_record():
+    return ()  # No tape or accumulator: nothing will ask.
+  sources = _Sources(eager)
+  for i, x in enumerate(leaves):
+    if isinstance(x, tf.Tensor):
+      sources.add(_InputSource(x, i))
+  for i, value in enumerate(run.recorded.before):
+    sources.add(_KerasSource(value, i))
+  keras_backing = {id(getattr(v, "_value", v))
+                   for v in run.recorded.variables}
+  keras_backing |= {_handle_id(v) for v in run.recorded.variables}
+  raw = _add_raw_variables(sources, leaves, run, keras_backing)
+  _add_read_handles(sources, run.ops, keras_backing | raw)
+  graph = None if eager else tf.compat.v1.get_default_graph()
+  for t in run.ops.external_tensors():
+    # Constants too: a small eager tensor that a tf.function captures is
+    # inlined as one, and a gradient tape still differentiates it.
+    if eager or t.graph is graph:
+      sources.add(_ClosureSource(t))
+      # A captured tensor is tied to what it captures on the gradient tapes
+      # at each use; the forward pass's use was unrecorded.
+      state.record_capture(t)
+  return tuple(sources.found)
+
+
+def _add_raw_variables(sources, leaves, run, keras_backing):
+  """Adds the tf.Variables passed in or watched; returns their handles' ids."""
+  raw = [x for x in leaves if isinstance(x, tf.Variable)]
+  raw += [v for v in run.watched if isinstance(v, tf.Variable)]
+  for v in raw:
+    if id(v) in keras_backing or not sources.first_time(v):
+      continue
+    if _is_differentiable(v):
+      # The rerun reads the forward pass's read (invariant 6); `read`,
+      # recorded by gradient tapes, carries the gradient.
+      read = v.value()
+      sources.add_if_recorded(
+          _RawSource(read, value=run.ops.first_read(v), variable=v))
+  return {_handle_id(v) for v in raw}
+
+
+def _add_read_handles(sources, ops, covered):
+  """Adds variables read without a tape watching the variable object (a
+  non-trainable tf.Variable the caller watched), found by their handles."""
+  covered = set(covered)
+  for handle, dtype in ops.read_handles():
+    if id(handle) in covered or not (dtype.is_floating or dtype.is_complex):
+      continue
+    covered.add(id(handle))
+    if sources.eager and not _is_recorded(handle):
+      continue
+    read = gen_resource_variable_ops.read_variable_op(
+        _in_current_graph(handle), dtype)
+    sources.found.append(
+        _RawSource(read, value=ops.first_read_of_handle(handle),
+                   handle=handle))
+
+
+class _Gradient:
+  """The gradient function attached to a forward pass: it reruns the pass."""
+
+  def __init__(self, forward):
+    self.forward = forward
+    self.connected = set()  # Outputs a gradient computation reached.
+    self.attaching = False
+
+  def backward(self, *dys):
     if self.attaching:
       # A forward accumulator transposes this function as it is recorded;
       # its transposition sees the rerun's gradient as unconnected and would
@@ -477,167 +570,180 @@ class _Call:
           "rematerialization (forward mode keeps no activations for a "
           "backward pass, so it gains nothing from it).")
     if self.connected:
-      # A traversal from a loss reaches the outputs' markers first: only the
-      # outputs it reached count. (Called directly, e.g. by SavedModel
-      # tracing the gradient, every output counts.)
+      # Invariant 10: a traversal from a loss reaches the outputs' markers
+      # first, and only the outputs it reached count. (Called directly, e.g.
+      # by SavedModel tracing the gradient, every output counts.)
       dys = [dy if i in self.connected else None for i, dy in enumerate(dys)]
       self.connected.clear()
     if all(dy is None for dy in dys):
-      return [None] * len(self.sources)
-    if self.eager:
-      return self._eager_backward(dys)
-    return self._graph_backward(dys)
+      return [None] * len(self.forward.sources)
+    if self.forward.eager:
+      return _eager_backward(self.forward, dys)
+    return _GraphRerun(self.forward, dys).gradients(dys)
 
-  def _eager_backward(self, dys):
-    for s in self.sources:
-      if s.kind == "raw" and not bool(
-          tf.reduce_all(tf.equal(s.read_again(), s.tensor))):
-        raise RerunMismatchError(
-            f"The tf.Variable '{s.name}' changed between the forward "
-            "and the backward pass of a rematerialized call (e.g. an assign "
-            "between two gradient calls on a persistent tape). Eager "
-            "rematerialization rereads tf.Variables and would differentiate "
-            "against the new value. Use a keras.Variable (its forward-time "
-            "value is replayed), run the step in a tf.function, or take the "
-            "gradients before changing the variable.")
-    with tf.GradientTape(watch_accessed_variables=False) as tape:
-      tape.watch([s.watched() for s in self.sources])
-      rerun = self._rerun(self.leaves, self.keras_values, self.seed,
-                          self.global_step)
-    ys, dys = self._checked_targets(*rerun, dys)
-    return tape.gradient(
-        ys, [s.watched() for s in self.sources], output_gradients=dys,
-        unconnected_gradients=tf.UnconnectedGradients.NONE)
 
-  def _graph_backward(self, dys):
-    gate = _gradient_gate(dys)
-    gated = ((lambda t: t) if gate is None else
-             (lambda t: t if t is None else _gate(t, gate)))
+def _eager_backward(forward, dys):
+  """Invariant 1: an eager forward pass is rerun eagerly under a tape."""
+  for s in forward.sources:
+    s.check_unchanged()
+  watched = [s.watched() for s in forward.sources]
+  with tf.GradientTape(watch_accessed_variables=False) as tape:
+    tape.watch(watched)
+    rerun = _rerun(forward, forward.leaves, forward.keras_values,
+                   forward.seed, forward.global_step)
+  ys, dys = _checked_targets(forward, *rerun, dys)
+  return tape.gradient(ys, watched, output_gradients=dys,
+                       unconnected_gradients=tf.UnconnectedGradients.NONE)
+
+
+class _GraphRerun:
+  """A traced forward pass's rerun, in the same graph, made to wait for the
+  incoming gradient (docs/design.md, "The rerun is the forward pass's own
+  program"), and differentiated with `tf.gradients`."""
+
+  def __init__(self, forward, dys):
+    self.forward = forward
+    self.graph = tf.compat.v1.get_default_graph()
+    self.gate = _gradient_gate(dys)
+    self._rerun_of = {}
+
+  def gated(self, t):
+    if self.gate is None or t is None:
+      return t
+    return _gate(t, self.gate)
+
+  def tensor(self, t, gate_it=True):
+    """The rerun's tensor for the forward pass's `t`: one per forward tensor,
+    however often it is passed (f(x, x)), so that the gradient taken at it
+    collects every use."""
+    if id(t) not in self._rerun_of:
+      self._rerun_of[id(t)] = self.gated(t) if gate_it else t
+    return self._rerun_of[id(t)]
+
+  def gradients(self, dys):
+    forward = self.forward
     # The seeds and state are gated too: otherwise XLA common-subexpression
     # eliminates the rerun's random draws (e.g. dropout masks) with the
-    # forward pass's and keeps every mask alive until the backward pass.
-    # One rerun tensor per forward tensor, however often it is passed (f(x,
-    # x)), so that the gradient taken at it collects every use.
-    rerun_of = {}
-
-    def rerun_tensor(t, gate_it=True):
-      if id(t) not in rerun_of:
-        rerun_of[id(t)] = gated(t) if gate_it else t
-      return rerun_of[id(t)]
-
-    # A tape inside the function must see an input it also reads by closure
+    # forward pass's and keeps every mask alive until the backward pass. A
+    # tape inside the function must see an input it also reads by closure
     # as one tensor, as the forward pass did: the inputs are passed ungated
     # then, and the seeds and state gate the rerun.
-    leaves = [rerun_tensor(x, not self.inner_tape)
-              if isinstance(x, tf.Tensor) else x for x in self.leaves]
+    leaves = [self.tensor(x, not forward.inner_tape)
+              if isinstance(x, tf.Tensor) else x for x in forward.leaves]
     # Trainable weights need no gate: every op reading them also reads a
     # gated input.
-    values = [rerun_tensor(v, not variable.trainable)
-              for variable, v in zip(self.keras_variables, self.keras_values)]
-    graph = tf.compat.v1.get_default_graph()
-    targets = []
-    for s in self.sources:
-      if s.kind == "input":
-        targets.append(rerun_tensor(s.tensor))
-      elif s.kind == "keras":
-        targets.append(rerun_tensor(self.keras_values[s.index]))
-      elif s.kind == "raw":
-        # The handle: the rerun's dense reads are replaced by the forward
-        # read, which the handle feeds, and its sparse reads (ResourceGather)
-        # take the handle directly.
-        targets.append(selective.in_graph(s.handle(), graph))
-      else:
-        # The closure as the rerun reads it: a gradient graph (a while
-        # loop's, say) captures the original tensor anew.
-        targets.append(
-            selective.in_graph(state.capture_origin(s.tensor), graph))
-    reads = [(s.handle(), s.value) for s in self.sources if s.kind == "raw"]
-    seed, global_step = gated(self.seed), gated(self.global_step)
-    # Kept tensors are ordered after the gradient too (see RerunReplacer).
-    # The runtime needs only a control edge; a subtraction would be a pass
-    # over every kept tensor (3.7% of a bench transformer step under
-    # everything_saveable, against 0.1-0.7% with the edge). XLA ignores control
-    # edges and fuses the subtraction into the ops that read it.
-    if gate is None or control_flow_util.GraphOrParentsInXlaContext(graph):
-      gated_kept = gated
-    else:
-      gated_kept = lambda t: _after(t, gate)
-    replacer = (selective.RerunReplacer(
-        self.saver, RerunMismatchError, gated_kept,
-        [x for x in leaves if isinstance(x, tf.Tensor)])
-                if self.saver is not None else contextlib.nullcontext())
+    values = [self.tensor(v, not variable.trainable) for variable, v in
+              zip(forward.keras_variables, forward.keras_values)]
+    targets = [s.rerun_target(self) for s in forward.sources]
+    reads = [(s.handle(), s.value) for s in forward.sources
+             if isinstance(s, _RawSource)]
+    replacer = self._replacer(leaves)
     with _forward_reads(reads), replacer:
-      rerun = self._rerun(leaves, values, seed, global_step)
-    if self.saver is not None:
+      rerun = _rerun(forward, leaves, values, self.gated(forward.seed),
+                     self.gated(forward.global_step))
+    if forward.saver is not None:
       replacer.check()
-    ys, dys = self._checked_targets(*rerun, dys)
-    # Partial derivatives (module docstring): every target is a stop, since
-    # one may depend on another in the outer graph (an input computed from a
-    # weight the block also reads), and the gradient computation outside
-    # adds that path itself. An input the function also reads by closure (a
-    # tensor a tf.function captured, passed and closed over) is read ungated
-    # there: its gradient is the sum over both reads.
-    also_read = {i: selective.in_graph(s.tensor, graph)
-                 for i, s in enumerate(self.sources)
-                 if s.kind == "input" and rerun_tensor(s.tensor) is not s.tensor}
+    ys, dys = _checked_targets(forward, *rerun, dys)
+    grads = self._partials(ys, dys, targets)
+    if forward.saver is not None:
+      replacer.detach()
+    return grads
+
+  def _replacer(self, leaves):
+    """Puts what a policy kept in place of the rerun's ops (design.md,
+    "Save policies inside")."""
+    if self.forward.saver is None:
+      return contextlib.nullcontext()
+    # Kept tensors are ordered after the gradient too. The runtime needs
+    # only a control edge; a subtraction would be a pass over every kept
+    # tensor (docs/design.md, "Save policies inside"). XLA ignores control
+    # edges and fuses the subtraction into the ops that read it.
+    if (self.gate is None or
+        control_flow_util.GraphOrParentsInXlaContext(self.graph)):
+      gated_kept = self.gated
+    else:
+      gated_kept = lambda t: _after(t, self.gate)
+    return selective.RerunReplacer(
+        self.forward.saver, RerunMismatchError, gated_kept,
+        [x for x in leaves if isinstance(x, tf.Tensor)])
+
+  def _partials(self, ys, dys, targets):
+    """Invariant 8: every target is a stop, since one may depend on another
+    in the outer graph (an input computed from a weight the block also
+    reads), and the gradient computation outside adds that path itself. An
+    input the function also reads by closure (a tensor a tf.function
+    captured, passed and closed over) is read ungated there: its gradient
+    is the sum over both reads."""
+    also_read = {
+        i: selective.in_graph(s.tensor, self.graph)
+        for i, s in enumerate(self.forward.sources)
+        if isinstance(s, _InputSource) and self.tensor(s.tensor) is not s.tensor}
     xs = targets + list(also_read.values())
     grads = tf.gradients(ys, xs, grad_ys=dys, stop_gradients=xs,
                          unconnected_gradients=tf.UnconnectedGradients.NONE)
     for i, extra in zip(also_read, grads[len(targets):]):
       if extra is not None:
         grads[i] = extra if grads[i] is None else tf.add(grads[i], extra)
-    if self.saver is not None:
-      replacer.detach()
     return grads[:len(targets)]
 
-  def _rerun(self, leaves, keras_values, seed, global_step):
-    """Runs `fn` again; returns its outputs, losses and op types."""
-    with self.context, step_seed.replaying(seed, global_step):
-      with state.replaying(self.keras_variables, keras_values) as losses:
-        with state.OpTypes() as ran:
-          outputs = self.call(leaves)
-    return outputs, losses, ran.op_types
 
-  def _checked_targets(self, outputs, losses, op_types, dys):
-    """The rerun's differentiable outputs paired with their gradients."""
-    flat = tf.nest.flatten(outputs)
-    if self.determinism_check != "none":
-      self._check_rerun(outputs, flat, losses, op_types)
-    ys = [flat[i] for i in self.attached] + list(losses)
-    pairs = [(y, dy) for y, dy in zip(ys, dys) if dy is not None]
-    return [y for y, _ in pairs], [dy for _, dy in pairs]
+def _rerun(forward, leaves, keras_values, seed, global_step):
+  """Runs `fn` again; returns its outputs, losses and op types."""
+  with forward.context, step_seed.replaying(seed, global_step):
+    with state.replaying(forward.keras_variables, keras_values) as losses:
+      with state.OpTypes() as ran:
+        outputs = forward.call(leaves)
+  return outputs, losses, ran.op_types
 
-  def _check_rerun(self, outputs, flat, losses, op_types):
-    problem = None
-    try:
-      tf.nest.assert_same_structure(outputs, self.structure)
-    except (TypeError, ValueError) as e:
-      problem = f"a different structure ({e})"
-    if problem is None and len(losses) != len(self.losses):
-      problem = (f"{len(losses)} add_loss loss(es) where the forward pass "
-                 f"added {len(self.losses)}")
-    for n, (i, (dtype, shape)) in enumerate(zip(self.attached, self.specs)):
+
+def _checked_targets(forward, outputs, losses, op_types, dys):
+  """The rerun's differentiable outputs paired with their gradients."""
+  flat = tf.nest.flatten(outputs)
+  if forward.determinism_check != "none":
+    _check_rerun(forward, outputs, flat, losses, op_types)
+  ys = [flat[i] for i in forward.attached] + list(losses)
+  pairs = [(y, dy) for y, dy in zip(ys, dys) if dy is not None]
+  return [y for y, _ in pairs], [dy for _, dy in pairs]
+
+
+def _check_rerun(forward, outputs, flat, losses, op_types):
+  """Raises `RerunMismatchError` where the rerun parts from the forward pass."""
+  problem = _output_difference(forward, outputs, flat, losses)
+  if (problem is None and not forward.inner_tape and
+      list(op_types) != list(forward.op_types)):
+    problem = _describe_op_difference(forward.op_types, op_types)
+  if problem is not None:
+    raise RerunMismatchError(
+        f"The backward-pass rerun of a rematerialized function returned "
+        f"{problem}. The function must compute the same thing every time "
+        "it is called with the same inputs, state and seeds (no Python-side "
+        "randomness, counters or caches deciding what it computes); "
+        "otherwise its gradients would be silently wrong.")
+
+
+def _output_difference(forward, outputs, flat, losses):
+  """How the rerun's outputs differ from the forward pass's, or None."""
+  try:
+    tf.nest.assert_same_structure(outputs, forward.structure)
+  except (TypeError, ValueError) as e:
+    return f"a different structure ({e})"
+  if len(losses) != len(forward.losses):
+    return (f"{len(losses)} add_loss loss(es) where the forward pass "
+            f"added {len(forward.losses)}")
+  for n, (i, (dtype, shape)) in enumerate(zip(forward.attached,
+                                              forward.specs)):
+    y = flat[i]
+    if not isinstance(y, tf.Tensor) or y.dtype != dtype:
+      return (f"output {i} as {getattr(y, 'dtype', type(y).__name__)} "
+              f"where the forward pass gave {dtype.name}")
+    if not y.shape.is_compatible_with(shape):
+      return (f"output {i} with shape {y.shape} where the forward pass "
+              f"gave {shape}")
+    if forward.forward_values is not None:
+      problem = _compare_values(i, y, forward.forward_values[n])
       if problem is not None:
-        break
-      y = flat[i]
-      if not isinstance(y, tf.Tensor) or y.dtype != dtype:
-        problem = (f"output {i} as {getattr(y, 'dtype', type(y).__name__)} "
-                   f"where the forward pass gave {dtype.name}")
-      elif not y.shape.is_compatible_with(shape):
-        problem = (f"output {i} with shape {y.shape} where the forward pass "
-                   f"gave {shape}")
-      elif self.forward_values is not None:
-        problem = _compare_values(i, y, self.forward_values[n])
-    if (problem is None and not self.inner_tape and
-        op_types != self.forward_op_types):
-      problem = _describe_op_difference(self.forward_op_types, op_types)
-    if problem is not None:
-      raise RerunMismatchError(
-          f"The backward-pass rerun of a rematerialized function returned "
-          f"{problem}. The function must compute the same thing every time "
-          "it is called with the same inputs, state and seeds (no Python-side "
-          "randomness, counters or caches deciding what it computes); "
-          "otherwise its gradients would be silently wrong.")
+        return problem
+  return None
 
 
 def _describe_op_difference(forward, rerun, context=3):
@@ -702,26 +808,72 @@ def _is_recorded(tensor):
 class _Source:
   """Something the rerun reads and the gradient may be asked for."""
 
-  def __init__(self, kind, tensor, index=None, variable=None, value=None,
-               handle=None):
-    self.kind = kind  # "input", "keras", "raw" or "closure".
+  kind = None  # Named in `saved_residuals`' table.
+
+  def __init__(self, tensor, index=None):
     self.tensor = tensor
     self.index = index
-    # A raw variable: the tf.Variable, or (read by a function without a tape
-    # watching the variable object) only its resource handle.
+
+  def watched(self):
+    """What an eager rerun's tape watches for this source."""
+    return self.tensor
+
+  def check_unchanged(self):
+    """Raises where an eager rerun would read another value."""
+
+  def rerun_target(self, rerun):
+    """What a `_GraphRerun` differentiates for this source."""
+    raise NotImplementedError
+
+
+class _InputSource(_Source):
+  """An argument of the function."""
+
+  kind = "input"
+
+  def rerun_target(self, rerun):
+    return rerun.tensor(self.tensor)
+
+
+class _KerasSource(_Source):
+  """A Keras variable the call touched; `index` into the record's
+  `keras_values`, which the rerun reads (invariant 5)."""
+
+  kind = "keras"
+
+  def rerun_target(self, rerun):
+    return rerun.tensor(rerun.forward.keras_values[self.index])
+
+
+class _ClosureSource(_Source):
+  """A tensor the function read without receiving it (invariant 7)."""
+
+  kind = "closure"
+
+  def rerun_target(self, rerun):
+    # As the rerun reads it: a gradient graph (a while loop's, say) captures
+    # the original tensor anew.
+    return selective.in_graph(state.capture_origin(self.tensor), rerun.graph)
+
+
+class _RawSource(_Source):
+  """A raw tf.Variable: the tf.Variable, or (read by a function without a
+  tape watching the variable object) only its resource handle. `tensor` is
+  a read that gradient tapes record; `value` is what the rerun reads, the
+  forward pass's own read where there is one (invariant 6)."""
+
+  kind = "raw"
+
+  def __init__(self, tensor, value=None, variable=None, handle=None):
+    super().__init__(tensor)
     self.variable = variable
     self._handle = handle
-    # What the rerun reads for a raw variable: the forward pass's read of
-    # it, or, without one, `tensor`.
     self.value = tensor if value is None else value
 
   def handle(self):
     return self.variable.handle if self.variable is not None else self._handle
 
   def watched(self):
-    """What an eager rerun's tape watches for this source."""
-    if self.kind != "raw":
-      return self.tensor
     return self.variable if self.variable is not None else self._handle
 
   @property
@@ -733,6 +885,23 @@ class _Source:
       return self.variable.value()
     return gen_resource_variable_ops.read_variable_op(self._handle,
                                                       self.tensor.dtype)
+
+  def check_unchanged(self):
+    if not bool(tf.reduce_all(tf.equal(self.read_again(), self.tensor))):
+      raise RerunMismatchError(
+          f"The tf.Variable '{self.name}' changed between the forward "
+          "and the backward pass of a rematerialized call (e.g. an assign "
+          "between two gradient calls on a persistent tape). Eager "
+          "rematerialization rereads tf.Variables and would differentiate "
+          "against the new value. Use a keras.Variable (its forward-time "
+          "value is replayed), run the step in a tf.function, or take the "
+          "gradients before changing the variable.")
+
+  def rerun_target(self, rerun):
+    # The handle: the rerun's dense reads are replaced by the forward read,
+    # which the handle feeds, and its sparse reads (ResourceGather) take the
+    # handle directly.
+    return selective.in_graph(self.handle(), rerun.graph)
 
 
 class _forward_reads:

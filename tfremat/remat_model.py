@@ -239,31 +239,12 @@ def remat_model(model, mode="full", output_size_threshold=1024,
         "remat_model: sample_input is for budget= or mode=\"larger_than\", "
         f"not mode={mode!r}.")
   if mode == "full":
-    choose = lambda layer: True
-  elif mode == "larger_than":
-    sizes = (_output_sizes(model, sample_input) if sample_input is not None
-             else {})
-    choose = lambda layer: sizes.get(
-        id(layer), _output_size(layer)) > output_size_threshold
-  elif mode == "activations":
-    choose = lambda layer: getattr(layer, "activation", None) is not None
-  else:
-    choose = lambda layer: layer.name in layer_names
-  if mode == "full":
     grouped = _grouped(model, policy)
     if grouped is not None:
       return grouped
-    own = _own_layers(model)
-    if len(own) > 1 and all(_is_builtin(l) and not _is_graph_model(l)
-                            for l in own):
-      warnings.warn(
-          f"remat_model: mode=\"full\" rematerializes each layer of "
-          f"{model.name} on its own, which saves little memory: a layer "
-          "rematerialized alone keeps its input, the previous layer's "
-          "output. Its layers do not form a chain whose parts could be "
-          "grouped (tfremat.chain_units shows its cuts). Wrap larger blocks "
-          "in tfremat.RematerializationLayer, or give budget= and "
-          "sample_input= to plan what to rematerialize.", stacklevel=2)
+    _warn_if_single_layers(model)
+  choose = _chooser(model, mode, output_size_threshold, sample_input,
+                    layer_names)
   wrapper = (RematerializeActivation if mode == "activations" else
              functools.partial(RematerializationLayer, policy=policy))
   recurse = mode in ("activations", "list_of_layers")
@@ -280,6 +261,35 @@ def remat_model(model, mode="full", output_size_threshold=1024,
                   f"{model.name}; nothing is rematerialized.{hint}",
                   stacklevel=2)
   return _rematerialized(model, choose, wrapper, recurse=recurse)
+
+
+def _chooser(model, mode, output_size_threshold, sample_input, layer_names):
+  """Which layers `mode` rematerializes, as a predicate."""
+  if mode == "full":
+    return lambda layer: True
+  if mode == "larger_than":
+    sizes = (_output_sizes(model, sample_input) if sample_input is not None
+             else {})
+    return lambda layer: sizes.get(
+        id(layer), _output_size(layer)) > output_size_threshold
+  if mode == "activations":
+    return lambda layer: getattr(layer, "activation", None) is not None
+  return lambda layer: layer.name in layer_names
+
+
+def _warn_if_single_layers(model):
+  """Warns when mode="full" can only rematerialize built-in layers alone."""
+  own = _own_layers(model)
+  if len(own) > 1 and all(_is_builtin(l) and not _is_graph_model(l)
+                          for l in own):
+    warnings.warn(
+        f"remat_model: mode=\"full\" rematerializes each layer of "
+        f"{model.name} on its own, which saves little memory: a layer "
+        "rematerialized alone keeps its input, the previous layer's "
+        "output. Its layers do not form a chain whose parts could be "
+        "grouped (tfremat.chain_units shows its cuts). Wrap larger blocks "
+        "in tfremat.RematerializationLayer, or give budget= and "
+        "sample_input= to plan what to rematerialize.", stacklevel=3)
 
 
 def _elements(tensors):
