@@ -74,7 +74,8 @@ def test_each_idea_sits_at_its_level():
   assert graph["measure"] == set()  # The bottom: used by all who measure.
   assert graph["planner"] <= {"measure"}  # Pure: computes, never measures.
   assert graph["policies"] == set()  # Pure functions of an op's description.
-  assert graph["selective"] <= {"policies"}  # Keeping and replacing tensors.
+  assert graph["watch"] == set()  # The one op callback, below all who use it.
+  assert graph["selective"] <= {"policies", "watch"}  # Keeping, replacing.
   assert "selective" in graph["remat"]
   assert graph["layers"] <= {"hyperparams", "policies", "remat"}  # The wrapper.
   assert "chain" not in graph["layers"] | graph["planner"]

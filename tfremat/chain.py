@@ -16,7 +16,6 @@ import dataclasses
 import keras
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.framework import op_callbacks
 from tensorflow.python.ops import control_flow_util
 
 from tfremat import layers as layers_lib
@@ -24,6 +23,7 @@ from tfremat import measure
 from tfremat import planner
 from tfremat import policies as policies_lib
 from tfremat import residuals
+from tfremat import watch
 from tfremat.layers import RematerializationLayer
 
 __all__ = [
@@ -278,7 +278,7 @@ def _static_bytes(outputs):
   return total
 
 
-class _OpOrder:
+class _OpOrder(watch.Handler):
   """While open, each op added to the graph it was opened in waits for the
   op added before it, by a control edge: the graph executor then runs them
   in the order they were built, whatever its threads do.
@@ -296,9 +296,8 @@ class _OpOrder:
     self.first_id = 0
     self.loops = False
 
-  def _callback(self, op_type, inputs, attrs, outputs, op_name=None,
-                graph=None):
-    del inputs, attrs, op_name
+  def on_op(self, op_type, inputs, outputs, op_name, graph):
+    del inputs, op_name
     if op_type in _LOOP_OPS:
       self.loops = True
     if graph is not self.graph or not outputs:
@@ -322,11 +321,7 @@ class _OpOrder:
     # pylint: disable-next=protected-access
     self.first_id = max(self.graph._nodes_by_id, default=0)
     self.last = None
-    op_callbacks.add_op_callback(self._callback)
-    return self
-
-  def __exit__(self, *args):
-    op_callbacks.remove_op_callback(self._callback)
+    return super().__enter__()
 
 
 def _chain_layers(layers, caller):

@@ -53,7 +53,6 @@ from tensorflow.python.autograph.core import config as autograph_config
 from tensorflow.python.autograph.impl import api as autograph
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import record
-from tensorflow.python.framework import op_callbacks
 from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops import gen_resource_variable_ops
 
@@ -61,6 +60,7 @@ from tfremat import policies
 from tfremat import selective
 from tfremat import state
 from tfremat import step_seed
+from tfremat import watch
 
 __all__ = [
     "RematerializeFn",
@@ -904,13 +904,13 @@ class _RawSource(_Source):
     return selective.in_graph(self.handle(), rerun.graph)
 
 
-class _forward_reads:
+class _forward_reads(watch.Handler):  # pylint: disable=invalid-name
   """In a graph, reads of raw tf.Variables give their forward-time values.
 
-  An op callback may replace the outputs of an op being added to a graph;
-  here, each `ReadVariableOp` of a variable in `reads` ((handle,
-  forward-time read) pairs) returns that read instead, so an assignment
-  between the two passes changes nothing, as without rematerialization.
+  A handler may replace the outputs of an op being added to a graph; here,
+  each `ReadVariableOp` of a variable in `reads` ((handle, forward-time
+  read) pairs) returns that read instead, so an assignment between the two
+  passes changes nothing, as without rematerialization (invariant 5).
   """
 
   def __init__(self, reads):
@@ -925,25 +925,18 @@ class _forward_reads:
       self._handles[graph] = ids
     return self._handles[graph]
 
-  def _callback(self, op_type, inputs, attrs, outputs, op_name=None,
-                graph=None):
-    del attrs, op_name
-    # Returns `outputs` when not replacing them: TensorFlow passes each
-    # callback's return value on to the next as the op's outputs.
+  def on_op(self, op_type, inputs, outputs, op_name, graph):
     if op_type != "ReadVariableOp" or graph is None:
       return outputs
     read = self._handle_ids(graph).get(id(inputs[0]))
     return outputs if read is None else [selective.in_graph(read, graph)]
 
   def __enter__(self):
-    if self._reads:
-      op_callbacks.add_op_callback(self._callback)
-    return self
+    return super().__enter__() if self._reads else self
 
   def __exit__(self, *args):
     if self._reads:
-      op_callbacks.remove_op_callback(self._callback)
-
+      super().__exit__(*args)
 
 
 def rematerialize(fn=None, *, policy=None):

@@ -30,11 +30,11 @@ gradient) replaces nothing: those tapes must see the ops themselves.
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import record
-from tensorflow.python.framework import op_callbacks
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import array_ops
 
 from tfremat import policies
+from tfremat import watch
 
 __all__ = [
     "describe",
@@ -180,7 +180,7 @@ class _DataTracker:
     self._data.update(id(t) for t in tensors or ())
 
 
-class _OpWatcher(_DataTracker):
+class _OpWatcher(_DataTracker, watch.Handler):
   """While entered, it sees every op added to the graph that was the default
   on entry, numbers the candidate ops the same way in both passes, and shows
   each to its subclass's `_on_candidate`, whose return value replaces the
@@ -196,8 +196,6 @@ class _OpWatcher(_DataTracker):
     op just made in this graph, or None for any other op."""
     if graph is None or graph is not self.graph:
       return None
-    if isinstance(op_type, bytes):
-      op_type = op_type.decode()
     op = _op_of(outputs)
     if not self.depends_on_data(op_type, inputs, outputs):
       return None
@@ -216,9 +214,8 @@ class _OpWatcher(_DataTracker):
     del inputs
     return False
 
-  def _callback(self, op_type, inputs, attrs, outputs, op_name=None,
-                graph=None):
-    del attrs, op_name
+  def on_op(self, op_type, inputs, outputs, op_name, graph):
+    del op_name
     numbered = self._numbered(op_type, inputs, outputs, graph)
     if numbered is None:
       return outputs
@@ -230,11 +227,7 @@ class _OpWatcher(_DataTracker):
 
   def __enter__(self):
     self.graph = tf.compat.v1.get_default_graph()
-    op_callbacks.add_op_callback(self._callback)
-    return self
-
-  def __exit__(self, *args):
-    op_callbacks.remove_op_callback(self._callback)
+    return super().__enter__()
 
 
 class ForwardSaver(_OpWatcher):

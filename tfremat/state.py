@@ -22,12 +22,12 @@ from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import backprop
 from tensorflow.python.eager import record
 from tensorflow.python.eager import tape as tape_lib
-from tensorflow.python.framework import op_callbacks
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import gen_resource_variable_ops
 from tensorflow.python.ops import resource_variable_ops
 
 from tfremat import selective
+from tfremat import watch
 
 __all__ = [
     "UnreplayableOpError",
@@ -165,7 +165,7 @@ def _running_graph():
   return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
 
 
-class OpTypes:
+class OpTypes(watch.Handler):
   """Records the types of the ops run or built while it is open, in order:
   what the rerun computed, to compare with `ForwardOps.op_types`.
 
@@ -180,9 +180,7 @@ class OpTypes:
     self.op_types = []
     self._graph = None
 
-  def _callback(self, op_type, inputs, attrs, outputs, op_name=None,
-                graph=None):
-    del inputs, attrs, op_name
+  def on_op(self, op_type, inputs, outputs, op_name, graph):
     counted = counted_op_type(op_type)
     if counted is not None and graph is self._graph:
       self.op_types.append(counted)
@@ -190,15 +188,10 @@ class OpTypes:
 
   def __enter__(self):
     self._graph = _running_graph()
-    op_callbacks.add_op_callback(self._callback)
-    return self
-
-  def __exit__(self, *args):
-    op_callbacks.remove_op_callback(self._callback)
+    return super().__enter__()
 
 
-_READS = frozenset(["ReadVariableOp", b"ReadVariableOp", "ResourceGather",
-                    b"ResourceGather"])
+_READS = frozenset(["ReadVariableOp", "ResourceGather"])
 
 _thread = threading.local()
 
@@ -210,52 +203,209 @@ def _thread_list(name):
   return getattr(_thread, name)
 
 
-class ForwardOps:
-  """Watches every op the forward pass runs or builds, through an op callback.
+class _Refuser(watch.Handler):
+  """Refuses ops the rerun could not replay, undoing an eager draw first."""
 
-  It refuses unreplayable ops, and finds the tensors the block reads that it
-  neither received as inputs nor computed: closure captures, which need a
-  gradient as much as the inputs do. Op callbacks see ops as they are added to
-  a graph being traced (before anything runs) and, in eager mode, right after
-  each op executed, so one check covers eager mode and `tf.function`. An eager
-  direct tf.Variable write has therefore happened once when the error is
-  raised; no other state has changed, since `RecordingScope` defers Keras
-  variable updates.
+  def __init__(self):
+    self._undoing = False
 
-  In a graph, it also makes every dense read of a variable in the forward
-  pass return the pass's first read of it (`first_read`), made in the
-  forward's own graph, which the rerun then reads too. The rerun's values
-  are thereby computed by ops the forward outputs depend on. A read made
-  anywhere else would be ordered before the step's later writes to the
-  variable (an optimizer's update in the same `tf.function`) by a control
-  edge alone, and Grappler drops that edge: the custom-gradient identity
-  that attaches the call's gradient reads the gradient's sources, which
-  makes the edge look redundant, and is then bypassed. The rerun would then
-  sometimes read the updated weights (tests/variable_order_test.py).
+  def on_op(self, op_type, inputs, outputs, op_name, graph):
+    if self._undoing:
+      return outputs  # The write that undoes a refused draw.
+    try:
+      _check_op(op_type, op_name)
+    except UnreplayableOpError:
+      self._undoing = True
+      try:
+        _undo_generator_draw(op_type, inputs, outputs)
+      finally:
+        self._undoing = False
+      raise
+    return outputs
 
-  The forward pass runs with gradient recording stopped. A `tf.GradientTape`
-  that the block opens itself (a gradient inside the function) must still
-  record the block's ops: while it is open, the tapes open outside the block
-  are taken off this thread's tape set and recording resumes, so only the
-  block's own tapes see its ops.
-  """
+
+class _Closures(watch.Handler):
+  """Finds the tensors a block reads that it neither received nor computed:
+  closure captures (docs/design.md, invariant 7)."""
 
   def __init__(self, inputs):
     self._seen = {id(t) for t in inputs}
-    self._external = {}  # id -> tensor, in first-use order.
-    self._graph = None  # The forward's graph; None in eager mode.
-    self._reads = {}  # id(handle) -> (handle, first read in self._graph).
+    self.external = {}  # id -> tensor, in first-use order.
+
+  def computed(self, tensor):
+    """Notes a tensor made where no callback sees it as computed."""
+    self._seen.add(id(tensor))
+
+  def on_op(self, op_type, inputs, outputs, op_name, graph):
+    for t in inputs:
+      if id(t) not in self._seen:
+        self._seen.add(id(t))
+        self.external[id(t)] = t
+    if op_type != "Placeholder":
+      # A placeholder made while the block is traced stands for a tensor of
+      # an enclosing graph that the block captured (inside a while loop's
+      # body, say): an input from outside, not a computed value.
+      self._seen.update(id(t) for t in outputs or ())
+    return outputs
+
+
+class _FirstReads(watch.Handler):
+  """Names the variables a block reads, and in a graph makes every dense
+  read of one return the forward pass's first read (invariant 6)."""
+
+  def __init__(self, closures):
+    self._closures = closures
+    self.graph = None  # The forward's graph; None in eager mode.
+    self.reads = {}  # id(handle) -> (handle, first read in self.graph).
+    self.handles = {}  # id -> (handle, dtype), in first-read order.
     self._reading = False
-    self._undoing = False
-    self._inner_tapes = 0
+
+  def on_op(self, op_type, inputs, outputs, op_name, graph):
+    if op_type in _READS and inputs and outputs:
+      origin = capture_origin(inputs[0])
+      self.handles.setdefault(id(origin), (origin, outputs[0].dtype))
+    if (self.graph is not None and graph is not None and not self._reading
+        and op_type == "ReadVariableOp" and outputs):
+      outputs = self._shared_read(inputs[0], outputs, graph)
+    return outputs
+
+  def _shared_read(self, handle, outputs, graph):
+    """A read's outputs: the forward's first read of the variable."""
+    origin = capture_origin(handle)
+    entry = self.reads.get(id(origin))
+    if entry is None:
+      if graph is self.graph:
+        self.reads[id(origin)] = (origin, outputs[0])
+        return outputs
+      if not _encloses(self.graph, graph):
+        return outputs
+      # First read inside a graph nested in the forward's (a loop body, a
+      # branch, an inner tf.function): read in the forward's graph, where
+      # the rerun can use the value too, and capture that.
+      self._reading = True
+      try:
+        with self.graph.as_default():
+          read = gen_resource_variable_ops.read_variable_op(
+              selective.in_graph(origin, self.graph), outputs[0].dtype)
+      finally:
+        self._reading = False
+      # Made inside a callback, it is not seen by one: mark it computed, or
+      # a forward-graph op reading it later would take it for a closure.
+      self._closures.computed(read)
+      entry = self.reads[id(origin)] = (origin, read)
+    return [selective.in_graph(entry[1], graph)]
+
+  def __enter__(self):
+    self.graph = _running_graph()
+    return super().__enter__()
+
+
+class _TapesAside:
+  """Lets a `tf.GradientTape` the block opens itself, and only it, record
+  (invariant 9): the tapes open outside are set aside while it is open."""
+
+  def __init__(self):
+    self.used = False
+    self._open = 0
     self._hidden = []
-    self.inner_tape_used = False
-    self.op_types = []  # See OpTypes.
-    self._read_handles = {}  # id -> (handle, dtype), in first-read order.
+
+  def entered(self):
+    self.used = True
+    if self._open == 0:
+      self._set_aside()
+    self._open += 1
+
+  def _set_aside(self):
+    # A tape an enclosing forward pass set aside is out of the tape set
+    # already: removing it again would drop a reference TensorFlow's tape
+    # set holds, and free the tape while it is in use.
+    aside = _thread_list("aside")
+    hidden = [t for t in _thread_list("tapes")
+              if t._recording and not any(t is a for a in aside)]  # pylint: disable=protected-access
+    for t in hidden:
+      tape_lib.pop_tape(t._tape)  # pylint: disable=protected-access
+    if record.could_possibly_record():
+      # A tape opened before tfremat was imported, or a forward accumulator:
+      # it cannot be set aside, and would record the block.
+      for t in hidden:
+        tape_lib.push_tape(t._tape)  # pylint: disable=protected-access
+      raise UnreplayableOpError(
+          "The rematerialized function opens a tf.GradientTape while a "
+          "gradient tape or forward accumulator that tfremat cannot set "
+          "aside is recording (one opened before tfremat was imported, or "
+          "a tf.autodiff.ForwardAccumulator). Import tfremat before opening "
+          "tapes, or compute the inner gradient outside the rematerialized "
+          "function.")
+    pywrap_tfe.TFE_Py_TapeSetRestartOnThread()
+    self._hidden = hidden
+    aside.extend(hidden)
+
+  def exited(self):
+    self._open -= 1
+    if self._open == 0:
+      pywrap_tfe.TFE_Py_TapeSetStopOnThread()
+      aside = _thread_list("aside")
+      for t in self._hidden:
+        tape_lib.push_tape(t._tape)  # pylint: disable=protected-access
+        aside.remove(t)
+      self._hidden = []
+
+
+class ForwardOps:
+  """Watches every op the forward pass runs or builds, one handler per job.
+
+  Op callbacks see ops as they are added to a graph being traced (before
+  anything runs) and, in eager mode, right after each op executed, so one
+  check covers eager mode and `tf.function`. The jobs, in the order each op
+  meets them:
+
+  - refuse unreplayable ops (`_Refuser`). An eager direct tf.Variable write
+    has happened once when the error is raised; a tf.random.Generator draw
+    is undone; no other state has changed, since `RecordingScope` defers
+    Keras variable updates;
+  - count op types, for the rerun's comparison (`OpTypes`);
+  - find closure captures, which need a gradient as much as the inputs do
+    (`_Closures`);
+  - in a graph, make every dense read of a variable in the forward pass
+    return the pass's first read of it, made in the forward's own graph,
+    which the rerun then reads too (`_FirstReads`). The rerun's values are
+    thereby computed by ops the forward outputs depend on. A read made
+    anywhere else would be ordered before the step's later writes to the
+    variable (an optimizer's update in the same `tf.function`) by a control
+    edge alone, and Grappler drops that edge: the custom-gradient identity
+    that attaches the call's gradient reads the gradient's sources, which
+    makes the edge look redundant, and is then bypassed. The rerun would
+    then sometimes read the updated weights (tests/variable_order_test.py).
+
+  The forward pass runs with gradient recording stopped. A `tf.GradientTape`
+  that the block opens itself (a gradient inside the function) must still
+  record the block's ops (`_TapesAside`).
+  """
+
+  def __init__(self, inputs):
+    self._types = OpTypes()
+    self._closures = _Closures(inputs)
+    self._reads = _FirstReads(self._closures)
+    self._handlers = [_Refuser(), self._types, self._closures, self._reads]
+    self._tapes = _TapesAside()
+
+  @property
+  def op_types(self):
+    return self._types.op_types
+
+  @property
+  def inner_tape_used(self):
+    return self._tapes.used
+
+  def inner_tape_entered(self):
+    self._tapes.entered()
+
+  def inner_tape_exited(self):
+    self._tapes.exited()
 
   def external_tensors(self):
     """Tensors the block read but did not receive or compute, in use order."""
-    return list(self._external.values())
+    return list(self._closures.external.values())
 
   def first_read(self, variable):
     """The forward pass's read of a tf.Variable or keras.Variable, a tensor
@@ -263,13 +413,13 @@ class ForwardOps:
     return self.first_read_of_handle(capture_origin(_handle(variable)))
 
   def first_read_of_handle(self, handle):
-    entry = self._reads.get(id(handle))
+    entry = self._reads.reads.get(id(handle))
     return None if entry is None else entry[1]
 
   def read_handles(self):
     """(handle, dtype) of every variable the block read, followed out of
     function captures, in first-read order."""
-    return list(self._read_handles.values())
+    return list(self._reads.handles.values())
 
   def record_reads(self, variables):
     """Has the gradient tapes open now record the forward pass's reads of
@@ -287,118 +437,18 @@ class ForwardOps:
                               backward_function=lambda x: [x],
                               forward_function=lambda x: [x])
 
-  def _shared_read(self, handle, outputs, graph):
-    """A read's outputs: the forward's first read of the variable."""
-    origin = capture_origin(handle)
-    entry = self._reads.get(id(origin))
-    if entry is None:
-      if graph is self._graph:
-        self._reads[id(origin)] = (origin, outputs[0])
-        return outputs
-      if not _encloses(self._graph, graph):
-        return outputs
-      # First read inside a graph nested in the forward's (a loop body, a
-      # branch, an inner tf.function): read in the forward's graph, where
-      # the rerun can use the value too, and capture that.
-      self._reading = True
-      try:
-        with self._graph.as_default():
-          read = gen_resource_variable_ops.read_variable_op(
-              selective.in_graph(origin, self._graph), outputs[0].dtype)
-      finally:
-        self._reading = False
-      # Made inside a callback, it is not seen by one: mark it computed, or
-      # a forward-graph op reading it later would take it for a closure.
-      self._seen.add(id(read))
-      entry = self._reads[id(origin)] = (origin, read)
-    return [selective.in_graph(entry[1], graph)]
-
-  def _callback(self, op_type, inputs, attrs, outputs, op_name=None,
-                graph=None):
-    del attrs
-    if self._undoing:
-      return outputs  # The write that undoes a refused draw.
-    try:
-      _check_op(op_type, op_name)
-    except UnreplayableOpError:
-      self._undoing = True
-      try:
-        _undo_generator_draw(op_type, inputs, outputs)
-      finally:
-        self._undoing = False
-      raise
-    counted = counted_op_type(op_type)
-    if counted is not None and graph is self._graph:  # As OpTypes counts.
-      self.op_types.append(counted)
-    for t in inputs:
-      if id(t) not in self._seen:
-        self._seen.add(id(t))
-        self._external[id(t)] = t
-    if op_type not in ("Placeholder", b"Placeholder"):
-      # A placeholder made while the block is traced stands for a tensor of
-      # an enclosing graph that the block captured (inside a while loop's
-      # body, say): an input from outside, not a computed value.
-      self._seen.update(id(t) for t in outputs or ())
-    if op_type in _READS and inputs and outputs:
-      origin = capture_origin(inputs[0])
-      self._read_handles.setdefault(id(origin), (origin, outputs[0].dtype))
-    if (self._graph is not None and graph is not None and not self._reading
-        and op_type in ("ReadVariableOp", b"ReadVariableOp") and outputs):
-      outputs = self._shared_read(inputs[0], outputs, graph)
-    # TensorFlow hands each callback the previous one's return value as
-    # `outputs`: returning None would hide the op's outputs from the next.
-    return outputs
-
   def __enter__(self):
-    self._graph = _running_graph()
-    # A new callback per block: nested rematerialized calls each add and
-    # remove their own (TensorFlow keeps one registration per callback).
-    op_callbacks.add_op_callback(self._callback)
+    # New handlers per block: nested rematerialized calls each enter and
+    # leave their own.
+    for handler in self._handlers:
+      handler.__enter__()
     _thread_list("forwards").append(self)
     return self
 
   def __exit__(self, *args):
     _thread_list("forwards").pop()
-    op_callbacks.remove_op_callback(self._callback)
-
-  def inner_tape_entered(self):
-    """A tape opened inside the block: let it, and only it, record."""
-    self.inner_tape_used = True
-    if self._inner_tapes == 0:
-      # A tape an enclosing forward pass set aside is out of the tape set
-      # already: removing it again would drop a reference TensorFlow's tape
-      # set holds, and free the tape while it is in use.
-      aside = _thread_list("aside")
-      hidden = [t for t in _thread_list("tapes")
-                if t._recording and not any(t is a for a in aside)]  # pylint: disable=protected-access
-      for t in hidden:
-        tape_lib.pop_tape(t._tape)  # pylint: disable=protected-access
-      if record.could_possibly_record():
-        # A tape opened before tfremat was imported, or a forward
-        # accumulator: it cannot be set aside, and would record the block.
-        for t in hidden:
-          tape_lib.push_tape(t._tape)  # pylint: disable=protected-access
-        raise UnreplayableOpError(
-            "The rematerialized function opens a tf.GradientTape while a "
-            "gradient tape or forward accumulator that tfremat cannot set "
-            "aside is recording (one opened before tfremat was imported, or "
-            "a tf.autodiff.ForwardAccumulator). Import tfremat before opening "
-            "tapes, or compute the inner gradient outside the rematerialized "
-            "function.")
-      pywrap_tfe.TFE_Py_TapeSetRestartOnThread()
-      self._hidden = hidden
-      aside.extend(hidden)
-    self._inner_tapes += 1
-
-  def inner_tape_exited(self):
-    self._inner_tapes -= 1
-    if self._inner_tapes == 0:
-      pywrap_tfe.TFE_Py_TapeSetStopOnThread()
-      aside = _thread_list("aside")
-      for t in self._hidden:
-        tape_lib.push_tape(t._tape)  # pylint: disable=protected-access
-        aside.remove(t)
-      self._hidden = []
+    for handler in reversed(self._handlers):
+      handler.__exit__(*args)
 
 
 def capture_origin(tensor):

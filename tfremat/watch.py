@@ -1,0 +1,64 @@
+"""One op callback for every job tfremat does on the ops a function builds.
+
+TensorFlow calls an op callback for each op added to a graph being traced
+and, in eager mode, for each op right after it ran; a callback may replace
+the op's outputs. tfremat has several such jobs (refusing unreplayable ops,
+finding closure captures, sharing a variable's first read, keeping what a
+save policy chooses, ordering a chain's ops, ...). Each is a `Handler`;
+entered, it joins this thread's list, and a single registered callback
+shows each op to the handlers in the order they were entered, each getting
+the outputs the previous one returned. Ops made by a handler are seen by
+none (TensorFlow does not call callbacks from inside one).
+"""
+
+import threading
+
+from tensorflow.python.framework import op_callbacks
+
+__all__ = ["Handler"]
+
+_local = threading.local()
+
+
+def _handlers():
+  """This thread's entered handlers, in entry order (TensorFlow keeps op
+  callbacks per thread too)."""
+  if not hasattr(_local, "handlers"):
+    _local.handlers = []
+  return _local.handlers
+
+
+def _dispatch(op_type, inputs, attrs, outputs, op_name=None, graph=None):
+  del attrs
+  if isinstance(op_type, bytes):  # Eager ops give their type as bytes.
+    op_type = op_type.decode()
+  for handler in list(_handlers()):
+    outputs = handler.on_op(op_type, inputs, outputs, op_name, graph)
+  return outputs
+
+
+class Handler:
+  """A job done on every op made or run while the handler is entered."""
+
+  def on_op(self, op_type, inputs, outputs, op_name, graph):
+    """Returns the op's outputs: `outputs`, or tensors to use in their place.
+
+    `graph` is the graph the op was added to, None for an eager op.
+    """
+    raise NotImplementedError
+
+  def __enter__(self):
+    handlers = _handlers()
+    if not handlers:
+      op_callbacks.add_op_callback(_dispatch)
+    handlers.append(self)
+    return self
+
+  def __exit__(self, *args):
+    handlers = _handlers()
+    for i in range(len(handlers) - 1, -1, -1):
+      if handlers[i] is self:
+        del handlers[i]
+        break
+    if not handlers:
+      op_callbacks.remove_op_callback(_dispatch)
