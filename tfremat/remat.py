@@ -612,12 +612,16 @@ class _GraphRerun:
       return t
     return _gate(t, self.gate)
 
-  def tensor(self, t, gate_it=True):
+  def tensor(self, t, gate_it=True, own=False):
     """The rerun's tensor for the forward pass's `t`: one per forward tensor,
     however often it is passed (f(x, x)), so that the gradient taken at it
-    collects every use."""
+    collects every use. Ungated, it is `t` itself or, with `own`, an
+    identity of it that only the rerun reads."""
     if id(t) not in self._rerun_of:
-      self._rerun_of[id(t)] = self.gated(t) if gate_it else t
+      if gate_it:
+        self._rerun_of[id(t)] = self.gated(t)
+      else:
+        self._rerun_of[id(t)] = tf.identity(t) if own else t
     return self._rerun_of[id(t)]
 
   def gradients(self, dys):
@@ -631,20 +635,26 @@ class _GraphRerun:
     leaves = [self.tensor(x, not forward.inner_tape)
               if isinstance(x, tf.Tensor) else x for x in forward.leaves]
     # Trainable weights need no gate: every op reading them also reads a
-    # gated input.
-    values = [self.tensor(v, not variable.trainable) for variable, v in
-              zip(forward.keras_variables, forward.keras_values)]
+    # gated input. They get an identity of their own all the same:
+    # `tf.gradients` walks every op reachable from the tensors it
+    # differentiates, and from the forward pass's read that is the rest of
+    # the model, once per rematerialized call (a CNN's trace took twice the
+    # original's).
+    values = [self.tensor(v, not variable.trainable, own=True)
+              for variable, v in zip(forward.keras_variables,
+                                     forward.keras_values)]
     targets = [s.rerun_target(self) for s in forward.sources]
     reads = [(s.handle(), s.value) for s in forward.sources
              if isinstance(s, _RawSource)]
     replacer = self._replacer(leaves)
+    before = _last_op_id(self.graph)
     with _forward_reads(reads), replacer:
       rerun = _rerun(forward, leaves, values, self.gated(forward.seed),
                      self.gated(forward.global_step))
     if forward.saver is not None:
       replacer.check()
     ys, dys = _checked_targets(forward, *rerun, dys)
-    grads = self._partials(ys, dys, targets)
+    grads = self._partials(ys, dys, targets, before)
     if forward.saver is not None:
       replacer.detach()
     return grads
@@ -667,17 +677,22 @@ class _GraphRerun:
         self.forward.saver, RerunMismatchError, gated_kept,
         [x for x in leaves if isinstance(x, tf.Tensor)])
 
-  def _partials(self, ys, dys, targets):
+  def _partials(self, ys, dys, targets, before):
     """Invariant 8: every target is a stop, since one may depend on another
     in the outer graph (an input computed from a weight the block also
     reads), and the gradient computation outside adds that path itself. An
     input the function also reads by closure (a tensor a tf.function
     captured, passed and closed over) is read ungated there: its gradient
-    is the sum over both reads."""
-    also_read = {
-        i: selective.in_graph(s.tensor, self.graph)
-        for i, s in enumerate(self.forward.sources)
-        if isinstance(s, _InputSource) and self.tensor(s.tensor) is not s.tensor}
+    is the sum over both reads. Only inputs that an op of the rerun (made
+    after op id `before`) reads so are differentiated twice: `tf.gradients`
+    walks every op reachable from what it differentiates, and from an input
+    as the forward pass read it, that is the rest of the model."""
+    also_read = {}
+    for i, s in enumerate(self.forward.sources):
+      if isinstance(s, _InputSource) and self.tensor(s.tensor) is not s.tensor:
+        original = selective.in_graph(s.tensor, self.graph)
+        if any(op._id > before for op in original.consumers()):  # pylint: disable=protected-access
+          also_read[i] = original
     xs = targets + list(also_read.values())
     grads = tf.gradients(ys, xs, grad_ys=dys, stop_gradients=xs,
                          unconnected_gradients=tf.UnconnectedGradients.NONE)
@@ -685,6 +700,11 @@ class _GraphRerun:
       if extra is not None:
         grads[i] = extra if grads[i] is None else tf.add(grads[i], extra)
     return grads[:len(targets)]
+
+
+def _last_op_id(graph):
+  """The id of the newest op of `graph` (ops made later have larger ids)."""
+  return max(graph._nodes_by_id, default=0)  # pylint: disable=protected-access
 
 
 def _rerun(forward, leaves, keras_values, seed, global_step):
