@@ -370,17 +370,39 @@ def _grouped(model, policy):
   parts = _ModelChain.of(model)
   if isinstance(parts, int):
     return None
-  held = [_held_elements(u.unit if isinstance(u, chain_lib.ContextUnit)
-                         else u, out)
-          for u, out in zip(parts.units, parts.cuts[1:])]
-  if any(isinstance(u, chain_lib.ContextUnit) for u in parts.units):
-    held = [None if isinstance(u, chain_lib.ContextUnit) else h
-            for u, h in zip(parts.units, held)]
-  segments = _grouping(held, [_elements(t) for t in parts.cuts[:-1]])
-  if all(s.stop - s.start == 1 for s in segments):
+  segments = _group_segments(parts)
+  if segments is None:
     return None
   return parts.model_with(chain_lib.RematSequential(
       parts.units, segments, policy=policy, name=f"{model.name}_chain"))
+
+
+def _group_segments(parts):
+  """`_grouping`'s segments of a `_ModelChain`'s units, or None when none
+  would have two units."""
+  held = [None if isinstance(u, chain_lib.ContextUnit) else
+          _held_elements(u, out)
+          for u, out in zip(parts.units, parts.cuts[1:])]
+  segments = _grouping(held, [_elements(t) for t in parts.cuts[:-1]])
+  if all(s.stop - s.start == 1 for s in segments):
+    return None
+  return segments
+
+
+def _planning_units(parts, name):
+  """The units the planner chooses between: the chain's units, or, where
+  `mode="full"` would group them (single layers of a CNN), those groups,
+  each a `keras.Sequential`. A single layer rematerialized alone keeps its
+  input and saves little, and measuring dozens of them one by one is slow;
+  the groups are what saves memory, and the planner then decides which to
+  keep and under which policy to rematerialize the others."""
+  segments = _group_segments(parts)
+  if segments is None:
+    return parts.units
+  return [parts.units[s.start] if s.stop - s.start == 1 else
+          keras.Sequential(parts.units[s.start:s.stop],
+                           name=f"{name}_group{k}")
+          for k, s in enumerate(segments)]
 
 
 def _rematerialized(model, choose, wrapper, recurse):
@@ -568,13 +590,14 @@ def _planned(model, budget, sample_input, policy_names, verbose, mode,
     for unit in parts.units:
       if isinstance(unit, chain_lib.ContextUnit):
         unit.sample_context = sample_context
-  chosen = chain_lib.checked_plan(parts.units, budget, x, verbose=verbose,
+  units = _planning_units(parts, model.name)
+  chosen = chain_lib.checked_plan(units, budget, x, verbose=verbose,
                                   policies=policy_names)
   for unit in parts.units:
     if isinstance(unit, chain_lib.ContextUnit):
       unit.sample_context = None  # Not kept alive by the model.
   return parts.model_with(chain_lib.RematSequential(
-      parts.units, chosen.segments, plan=chosen,
+      units, chosen.segments, plan=chosen,
       ordered=chain_lib.PLANNED_ORDER, name=f"{model.name}_chain"))
 
 
