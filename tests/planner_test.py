@@ -348,3 +348,26 @@ def test_a_plan_measured_above_keeping_everything_is_never_chosen():
 
   with pytest.raises(ValueError, match="No rematerialization plan fits"):
     planner.calibrated_plan(costs, int(1.05 * keep_peak), measured_peak)
+
+
+def test_below_the_models_floor_its_lowest_plan_is_measured_last():
+  # As on CNNs: the model predicts too little for the plans that keep some
+  # layers (they measure over budget), while the plan it predicts to peak
+  # lowest fits. Once targets fall below the model's floor, that plan is
+  # measured before giving up.
+  costs = random_costs(np.random.default_rng(6), 8)
+  keep = planner.keep_all(8)
+  floor = planner.plan(costs, planner.smallest_budget(costs))
+  keep_peak = planner.predict(costs, keep)[0]
+  budget = (floor.peak_bytes + keep_peak) // 2
+  measured = []
+
+  def measured_peak(segments):
+    measured.append(segments)
+    if segments == keep or segments == floor.segments:
+      return planner.predict(costs, segments)[0]
+    return keep_peak  # Every other plan saves nothing.
+
+  chosen = planner.calibrated_plan(costs, budget, measured_peak, rounds=8)
+  assert chosen.segments == floor.segments, str(chosen)
+  assert measured[-1] == floor.segments

@@ -592,7 +592,8 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4):
      times (predicted / measured bound of keeping everything).
   3. Each plan is measured, and the model is recalibrated on it: the next
      target is that plan's predicted peak times budget / its measured bound
-     (below its predicted peak if it did not fit). This stops after `rounds`
+     (below its predicted peak if it did not fit; below the model's floor,
+     the plan it predicts to peak lowest). This stops after `rounds`
      plans, when a plan fits and no faster one is predicted to, or when a
      target gives a plan already measured, or when the next plan is not
      predicted to be `FASTER_BY` faster than one that fits.
@@ -641,11 +642,15 @@ def _calibrated(costs, keep, budget, budget_bytes, measured_peak, rounds):
     try:
       chosen = plan(costs, target)
     except ValueError:
-      if tried:
-        break  # The model has no smaller plan; use what was measured.
-      raise unreachable_budget_error(
-          costs, budget, budget_bytes, keep.measured.peak_bytes,
-          math.ceil(smallest_budget(costs) / scale), measured=False) from None
+      if not tried:
+        raise unreachable_budget_error(
+            costs, budget, budget_bytes, keep.measured.peak_bytes,
+            math.ceil(smallest_budget(costs) / scale),
+            measured=False) from None
+      # Below the model's floor: the plan it predicts to peak lowest is the
+      # last worth measuring (on CNNs the model's error is large, and plans
+      # above it measured over budget where that one fit).
+      chosen = plan(costs, smallest_budget(costs))
     key = tuple(chosen.segments)
     if key in tried:
       break  # Converged: this target gives a plan already measured.
