@@ -372,6 +372,9 @@ def _forward(fn, xs, determinism_check, policy, on_losses):
   flat = tf.nest.flatten(run.outputs)
   attached = tuple(i for i, y in enumerate(flat)
                    if isinstance(y, tf.Tensor) and _is_differentiable(y))
+  if run.recorded.losses:
+    # May refuse them: before any source is read or any update applied.
+    on_losses(list(run.recorded.losses))
   forward = _Forward(
       fn=fn, context=context, xs=xs, leaves=leaves, eager=eager,
       determinism_check=determinism_check, seed=seed,
@@ -388,8 +391,6 @@ def _forward(fn, xs, determinism_check, policy, on_losses):
       keras_values=tuple(run.recorded.values),
       saver=run.saver)
   fill(forward)
-  if forward.losses:
-    on_losses(list(forward.losses))
   if (not attached and not forward.losses) or not forward.sources:
     # Nothing to differentiate, or nothing the gradient could reach.
     run.recorded.apply_updates()
