@@ -482,11 +482,10 @@ class _Sources:
     if _is_differentiable(source.tensor) and self.first_time(source.tensor):
       self.add_if_recorded(source)
 
-  def add_if_recorded(self, source, recorded_as=None):
+  def add_if_recorded(self, source):
     """Adds `source` where a gradient may be asked for it: in a graph always
     (`tf.gradients` may ask later), in eager mode when a tape records it."""
-    if not self.eager or _is_recorded(
-        source.tensor if recorded_as is None else recorded_as):
+    if not self.eager or _is_recorded(source.tensor):
       self.found.append(source)
 
 
