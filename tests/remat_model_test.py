@@ -515,3 +515,29 @@ def test_full_mode_groups_a_cnns_layers_and_saves_memory():
   assert_parity(lambda remat, h: (full if remat else model)(h, training=True),
                 (x[:4],), model.trainable_weights, "function", "/CPU:0",
                 state=model.variables)
+
+
+# Slow on 2 cores: CI runs it in its second stage (pytest -m slow).
+@pytest.mark.slow
+def test_budget_on_a_cnn_plans_over_the_groups_exactly(tmp_path):
+  # Single layers measured one by one saved nothing alone and took minutes on
+  # keras.applications CNNs; the planner chooses between mode="full"'s groups.
+  model = _conv_chain()
+  x = tf.random.stateless_normal([16, 32, 32, 3], seed=[1, 2])
+  planned = remat_model(model, budget=0.9, sample_input=x, verbose=0)
+  (chain,) = [l for l in planned.layers
+              if isinstance(l, tfremat.RematSequential)]
+  assert len(chain.chain) < len(model.layers) - 3
+  assert any(isinstance(u, keras.Sequential) and len(u.layers) > 1
+             for u in chain.chain)
+  plan = chain.plan
+  assert any(plan.rematerialized)
+  assert plan.measured_peak_bytes <= plan.budget_bytes, str(plan)
+  assert_parity(lambda remat, h: (planned if remat else model)(
+      h, training=True), (x[:4],), model.trainable_weights, "function",
+                "/CPU:0", state=model.variables)
+  path = str(tmp_path / "planned_cnn.keras")
+  planned.save(path)
+  loaded = keras.models.load_model(path)
+  np.testing.assert_allclose(loaded(x[:4]), planned(x[:4]), rtol=1e-5,
+                             atol=1e-6)
