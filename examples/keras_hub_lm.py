@@ -1,12 +1,14 @@
-"""A KerasHub causal LM, rematerialized in place: it stays a GPT2CausalLM.
+"""A KerasHub causal LM under a memory budget, rematerialized in place: it
+stays a GPT2CausalLM.
 
   pip install ".[hub]"
-  python examples/keras_hub_lm.py
+  python examples/keras_hub_lm.py --budget=60%
 
 Builds a small `keras_hub.models.GPT2CausalLM` from a config (a tiny
-character vocabulary; nothing is downloaded), measures one training step's
-peak memory with and without its transformer blocks rematerialized
-(`tfremat.remat_in_place`), trains it with `fit` on generated text, and
+character vocabulary; nothing is downloaded), rematerializes as few of its
+transformer blocks as keep a training step within the budget
+(`tfremat.remat_in_place_for_budget`, measured on `train_on_batch`), prints
+the peak with and without, trains it with `fit` on generated text, and
 generates from a prompt. The model object is never rebuilt: `fit` on
 strings, `generate()`, `save` and its config work as they do without
 rematerialization.
@@ -33,6 +35,8 @@ def define_flags():
   flags.DEFINE_integer("seq_len", 128, "Sequence length.")
   flags.DEFINE_integer("batch", 8, "Batch size.")
   flags.DEFINE_integer("epochs", 2, "Training epochs over the generated text.")
+  flags.DEFINE_string("budget", "60%", "The training step's memory budget: "
+                      "a fraction of its peak without remat, or bytes.")
 
 
 def small_gpt2(keras_hub, layers=2, hidden=64, seq_len=64, dropout=0.1):
@@ -78,14 +82,14 @@ def main(argv):
   import keras_hub  # pylint: disable=g-import-not-at-top
   lm = small_gpt2(keras_hub, FLAGS.layers, FLAGS.hidden, FLAGS.seq_len)
   lm.compile(optimizer=keras.optimizers.Adam(1e-3), sampler="greedy")
-  plain = peak_train_bytes(lm, FLAGS.batch)
-  tfremat.remat_in_place(lm.backbone.transformer_layers)
-  rematerialized = peak_train_bytes(lm, FLAGS.batch)
+  budget = FLAGS.budget
+  if budget.replace(".", "", 1).isdigit():
+    budget = float(budget)  # "0.6": a fraction.
+  chosen = tfremat.remat_in_place_for_budget(
+      lm, lm.backbone.transformer_layers, budget, text(FLAGS.batch))
   print(f"{type(lm).__name__}, {FLAGS.layers} blocks, hidden {FLAGS.hidden}, "
-        f"sequence {FLAGS.seq_len}, batch {FLAGS.batch}: training step peak "
-        f"{measure.format_bytes(plain)} without remat, "
-        f"{measure.format_bytes(rematerialized)} with its blocks "
-        f"rematerialized ({rematerialized / plain:.2f}x)")
+        f"sequence {FLAGS.seq_len}, batch {FLAGS.batch}, budget "
+        f"{FLAGS.budget}: {chosen}")
   lm.fit(text(32 * FLAGS.batch), batch_size=FLAGS.batch, epochs=FLAGS.epochs,
          verbose=2)
   print("generated:", lm.generate("the quick", max_length=32))

@@ -111,6 +111,53 @@ def test_rematerialized_blocks_peak_lower():
   assert rematerialized <= 0.5 * plain, (rematerialized, plain)
 
 
+def _dense_stack():
+  keras.utils.set_random_seed(0)
+  blocks = [keras.Sequential([keras.layers.Dense(512, activation="relu"),
+                              keras.layers.Dropout(0.1),
+                              keras.layers.Dense(64)]) for _ in range(8)]
+  x = keras.Input((64,))
+  h = x
+  for block in blocks:
+    h = h + block(h)
+  model = keras.Model(x, h)
+  model.compile(optimizer="adam", loss="mse")
+  return model, blocks
+
+
+def test_budget_in_place_rematerializes_the_fewest_that_fit():
+  model, blocks = _dense_stack()
+  data = tf.random.stateless_normal([2048, 64], seed=[1, 2])
+  before = [w.numpy() for w in model.weights]
+  chosen = tfremat.remat_in_place_for_budget(model, blocks, 0.7, data, data,
+                                             calls=3)
+  assert 0 < len(chosen.layers) < len(blocks), str(chosen)
+  assert all(tfremat.is_remat_in_place(b) == (b in chosen.layers)
+             for b in blocks)
+  assert chosen.measured.bound_bytes <= chosen.budget_bytes, str(chosen)
+  # Measuring trained nothing: every weight and optimizer slot is back.
+  assert all(np.array_equal(w.numpy(), b)
+             for w, b in zip(model.weights, before))
+  assert int(model.optimizer.iterations.numpy()) == 0
+  # Later steps stay within what it measured.
+  later = measure.peaks(model.train_on_batch, data, data, calls=5)
+  assert max(later) <= chosen.budget_bytes, (later, str(chosen))
+
+
+def test_budget_in_place_below_every_layer_says_so_and_changes_nothing():
+  model, blocks = _dense_stack()
+  data = tf.random.stateless_normal([256, 64], seed=[1, 2])
+  with pytest.raises(ValueError, match=r"with all 8 layer\(s\) "
+                     r"rematerialized .* \d+% of the peak without"):
+    tfremat.remat_in_place_for_budget(model, blocks, "1KiB", data, data,
+                                      calls=2)
+  assert not any(tfremat.is_remat_in_place(b) for b in blocks)
+  uncompiled, blocks = _dense_stack()
+  uncompiled.optimizer = None
+  with pytest.raises(ValueError, match="compile the model first"):
+    tfremat.remat_in_place_for_budget(uncompiled, blocks, 0.5, data, data)
+
+
 @pytest.mark.parametrize("given, error, match", [
     ("dense", TypeError, "takes Keras layers"),
     (keras.layers.InputLayer(shape=(3,)), TypeError, "takes Keras layers"),
@@ -150,3 +197,21 @@ def test_keras_hub_causal_lm_keeps_its_class_trains_and_generates(tmp_path):
   lm.save(tmp_path / "lm.keras")
   again = keras.models.load_model(tmp_path / "lm.keras")
   assert type(again) is keras_hub.models.GPT2CausalLM
+
+
+# Slow on 2 cores, and needs keras-hub: CI runs it in its second stage.
+@pytest.mark.slow
+def test_keras_hub_causal_lm_under_a_budget_stays_a_task():
+  keras_hub = pytest.importorskip("keras_hub")
+  from examples_test import _load  # pylint: disable=g-import-not-at-top
+  example = _load("keras_hub_lm")
+  lm = example.small_gpt2(keras_hub, layers=4, hidden=128, seq_len=128)
+  lm.compile(optimizer="adam", sampler="greedy")
+  chosen = tfremat.remat_in_place_for_budget(
+      lm, lm.backbone.transformer_layers, 0.6, example.text(8), calls=3)
+  assert type(lm) is keras_hub.models.GPT2CausalLM
+  assert chosen.layers and chosen.measured.bound_bytes <= chosen.budget_bytes
+  later = measure.peaks(lm.train_on_batch, example.text(8), calls=5)
+  assert max(later) <= chosen.budget_bytes, (later, str(chosen))
+  lm.fit(example.text(16), batch_size=8, epochs=1, verbose=0)
+  assert lm.generate("the quick", max_length=16).startswith("the quick")

@@ -66,6 +66,7 @@ from tfremat.chain import RematSequential
 from tfremat.chain import remat_sequential
 from tfremat.in_place import is_remat_in_place
 from tfremat.in_place import remat_in_place
+from tfremat.in_place import remat_in_place_for_budget
 from tfremat.in_place import undo_remat_in_place
 from tfremat.remat import RematerializeFn
 from tfremat.remat import RerunMismatchError
@@ -95,6 +96,7 @@ __all__ = [
     "remat_model",
     "chain_units",
     "remat_in_place",
+    "remat_in_place_for_budget",
     "undo_remat_in_place",
     "is_remat_in_place",
     # What is kept, and errors.

@@ -18,12 +18,16 @@ import keras
 from keras.src.backend.common import global_state
 from keras.src.backend.common import remat as keras_remat
 
+from tfremat import measure
+from tfremat import planner
 from tfremat import policies
 from tfremat import remat
 from tfremat.layers import refuse_keras2
 
 __all__ = [
     "remat_in_place",
+    "remat_in_place_for_budget",
+    "InPlaceBudget",
     "undo_remat_in_place",
     "is_remat_in_place",
 ]
@@ -146,3 +150,132 @@ def _rematerialized_call(layer, policy, call, *args, **kwargs):
     return outputs
 
   return rematerialized
+
+
+class InPlaceBudget:
+  """What `remat_in_place_for_budget` chose and measured.
+
+  Attributes:
+    layers: the layers it left rematerialized (the first `len(layers)` of
+      those it was given).
+    measured: the training step's `planner.Measured` peaks so.
+    measured_keep: the same with none rematerialized.
+    budget_bytes: the budget in bytes.
+  """
+
+  def __init__(self, layers, measured, measured_keep, budget_bytes):
+    self.layers = layers
+    self.measured = measured
+    self.measured_keep = measured_keep
+    self.budget_bytes = budget_bytes
+
+  def __str__(self):
+    keep = self.measured_keep.peak_bytes
+    return (f"{len(self.layers)} layer(s) rematerialized in place: training "
+            f"step peak {measure.format_bytes(self.measured.peak_bytes)} "
+            f"({self.measured.peak_bytes / keep:.2f}x of "
+            f"{measure.format_bytes(keep)} without), bound "
+            f"{measure.format_bytes(self.measured.bound_bytes)} within the "
+            f"budget of {measure.format_bytes(self.budget_bytes)}")
+
+
+def _state(model):
+  """The variables a training step changes: the model's and its optimizer's
+  (built first, so that its slots exist before they are saved)."""
+  optimizer = model.optimizer
+  if not optimizer.built:
+    optimizer.build(model.trainable_variables)
+  return list(model.variables) + list(optimizer.variables)
+
+
+def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
+                              calls=measure.PEAK_CALLS):
+  """`remat_in_place` on as few of `layers` as keep a training step within
+  `budget`, measured on `model.train_on_batch(x, y)`.
+
+  For a compiled model whose class must stay (a KerasHub task): it measures
+  the step with none of `layers` rematerialized, with all, and then searches
+  (by halving) for the fewest, taken from the front of `layers` (for a
+  chain of repeated blocks, which ones matters little), whose bound fits.
+  A bound is what a planned chain's is (`tfremat.planner.Measured`): the
+  largest peak of `calls` steps, plus their spread, plus the allocator
+  margin. Every variable of the model and of its optimizer is put back
+  after measuring, and the model's train function is traced anew.
+
+  Args:
+    model: a compiled Keras model that `layers` belong to.
+    layers: Keras 3 layers of `model`, e.g. a KerasHub backbone's
+      `transformer_layers`.
+    budget: bytes, a string with a unit ("200MiB"), or a fraction of the
+      measured peak with none rematerialized (0.6, "60%").
+    x, y: a batch, as `model.train_on_batch` takes it (a KerasHub task
+      takes strings and no `y`).
+    policy: the save policy of every rematerialized layer.
+    calls: training steps per measurement.
+
+  Returns:
+    An `InPlaceBudget`; its `layers` are left rematerialized.
+
+  Raises:
+    ValueError: the budget cannot be met even with every layer
+      rematerialized (the message gives the lowest fraction measured), or
+      the model is not compiled.
+  """
+  layers = _layers(layers, "remat_in_place_for_budget")
+  budget = planner.Budget.parse(budget)
+  if policy is not None:
+    policies.get(policy)
+  if getattr(model, "optimizer", None) is None:
+    raise ValueError(
+        "remat_in_place_for_budget measures model.train_on_batch: compile "
+        "the model first (model.compile(optimizer=..., loss=...)).")
+  state = _state(model)
+  saved = [v.numpy() for v in state]
+
+  def measured(k):
+    undo_remat_in_place(layers)
+    if k:
+      remat_in_place(layers[:k], policy=policy)
+    model.make_train_function(force=True)
+    try:
+      return measure.peaks(model.train_on_batch, x, y, calls=calls)
+    finally:
+      for v, value in zip(state, saved):
+        v.assign(value)
+      model.reset_metrics()
+
+  try:
+    keep_peaks = measured(0)
+    margin = int(planner.ALLOCATOR_MARGIN * max(keep_peaks))
+    keep = planner.Measured.of(keep_peaks, margin)
+    budget_bytes = budget.bytes_given(keep.peak_bytes)
+    found = {0: keep}
+    if keep.bound_bytes > budget_bytes:
+      found[len(layers)] = planner.Measured.of(measured(len(layers)), margin)
+      low, high = 0, len(layers)  # low does not fit; high may.
+      while high - low > 1 and found[high].bound_bytes <= budget_bytes:
+        middle = (low + high) // 2
+        found[middle] = planner.Measured.of(measured(middle), margin)
+        if found[middle].bound_bytes <= budget_bytes:
+          high = middle
+        else:
+          low = middle
+      chosen = high
+    else:
+      chosen = 0
+  finally:
+    undo_remat_in_place(layers)
+  if found[chosen].bound_bytes > budget_bytes:
+    raise ValueError(
+        f"remat_in_place_for_budget: with all {len(layers)} layer(s) "
+        "rematerialized the training step's bound is "
+        f"{measure.format_bytes(found[chosen].bound_bytes)}, "
+        f"{found[chosen].bound_bytes / keep.peak_bytes:.0%} of the peak "
+        f"without ({measure.format_bytes(keep.peak_bytes)}), above the "
+        f"budget of {measure.format_bytes(budget_bytes)}. Raise the budget, "
+        "give more of the model's layers, a save policy that keeps less, or "
+        "a smaller batch.")
+  if chosen:
+    remat_in_place(layers[:chosen], policy=policy)
+  model.make_train_function(force=True)
+  return InPlaceBudget(layers[:chosen], found[chosen], keep, budget_bytes)
