@@ -90,15 +90,27 @@ def test_fit_trains_through_the_rematerialized_blocks():
   assert history.history["loss"][-1] < history.history["loss"][0]
 
 
-def test_rematerialized_blocks_peak_lower():
+def _dense_stack(dropout=None):
+  """Eight residual Dense(512) -> Dense(64) blocks, with Dropout between
+  when given, as a compiled functional model; and the blocks."""
   keras.utils.set_random_seed(0)
-  blocks = [keras.Sequential([keras.layers.Dense(512, activation="relu"),
-                              keras.layers.Dense(64)]) for _ in range(8)]
+  blocks = []
+  for _ in range(8):
+    layers = [keras.layers.Dense(512, activation="relu")]
+    if dropout is not None:
+      layers.append(keras.layers.Dropout(dropout))
+    blocks.append(keras.Sequential(layers + [keras.layers.Dense(64)]))
   x = keras.Input((64,))
   h = x
   for block in blocks:
     h = h + block(h)
   model = keras.Model(x, h)
+  model.compile(optimizer="adam", loss="mse")
+  return model, blocks
+
+
+def test_rematerialized_blocks_peak_lower():
+  model, blocks = _dense_stack()
   data = tf.random.stateless_normal([2048, 64], seed=[1, 2])
 
   def peak():  # A new trace: the blocks' call is chosen while tracing.
@@ -111,22 +123,8 @@ def test_rematerialized_blocks_peak_lower():
   assert rematerialized <= 0.5 * plain, (rematerialized, plain)
 
 
-def _dense_stack():
-  keras.utils.set_random_seed(0)
-  blocks = [keras.Sequential([keras.layers.Dense(512, activation="relu"),
-                              keras.layers.Dropout(0.1),
-                              keras.layers.Dense(64)]) for _ in range(8)]
-  x = keras.Input((64,))
-  h = x
-  for block in blocks:
-    h = h + block(h)
-  model = keras.Model(x, h)
-  model.compile(optimizer="adam", loss="mse")
-  return model, blocks
-
-
 def test_budget_in_place_rematerializes_the_fewest_that_fit():
-  model, blocks = _dense_stack()
+  model, blocks = _dense_stack(dropout=0.1)
   data = tf.random.stateless_normal([2048, 64], seed=[1, 2])
   before = [w.numpy() for w in model.weights]
   chosen = tfremat.remat_in_place_for_budget(model, blocks, 0.7, data, data,
@@ -145,14 +143,14 @@ def test_budget_in_place_rematerializes_the_fewest_that_fit():
 
 
 def test_budget_in_place_below_every_layer_says_so_and_changes_nothing():
-  model, blocks = _dense_stack()
+  model, blocks = _dense_stack(dropout=0.1)
   data = tf.random.stateless_normal([256, 64], seed=[1, 2])
   with pytest.raises(ValueError, match=r"with all 8 layer\(s\) "
                      r"rematerialized .* \d+% of the peak without"):
     tfremat.remat_in_place_for_budget(model, blocks, "1KiB", data, data,
                                       calls=2)
   assert not any(tfremat.is_remat_in_place(b) for b in blocks)
-  uncompiled, blocks = _dense_stack()
+  uncompiled, blocks = _dense_stack(dropout=0.1)
   uncompiled.optimizer = None
   with pytest.raises(ValueError, match="compile the model first"):
     tfremat.remat_in_place_for_budget(uncompiled, blocks, 0.5, data, data)

@@ -317,9 +317,7 @@ class _OpOrder(watch.Handler):
 
   def __enter__(self):
     self.graph = tf.compat.v1.get_default_graph()
-    # Ops built from here on have larger ids.
-    # pylint: disable-next=protected-access
-    self.first_id = max(self.graph._nodes_by_id, default=0)
+    self.first_id = watch.last_op_id(self.graph)
     self.last = None
     return super().__enter__()
 

@@ -341,7 +341,12 @@ class _Forward:
   saver: object  # What a policy kept (`selective.ForwardSaver`), or None.
 
   def call(self, leaves):
-    return self.fn(*tf.nest.pack_sequence_as(self.xs, leaves))
+    return _apply(self.fn, self.xs, leaves)
+
+
+def _apply(fn, xs, leaves):
+  """`fn` called on `leaves` packed as the arguments `xs` are."""
+  return fn(*tf.nest.pack_sequence_as(xs, leaves))
 
 
 class _ForwardRun(collections.namedtuple(
@@ -367,8 +372,8 @@ def _forward(fn, xs, determinism_check, policy, on_losses):
   # None: no global step; the rerun then sees none either.
   global_step = (step_seed.GetGlobalStep()
                  if step_seed.HasGlobalStep() else None)
-  call = lambda leaves_: fn(*tf.nest.pack_sequence_as(xs, leaves_))
-  run = _run_forward(call, context, leaves, policy, seed)
+  run = _run_forward(functools.partial(_apply, fn, xs), context, leaves,
+                     policy, seed)
   flat = tf.nest.flatten(run.outputs)
   attached = tuple(i for i, y in enumerate(flat)
                    if isinstance(y, tf.Tensor) and _is_differentiable(y))
@@ -647,7 +652,7 @@ class _GraphRerun:
     reads = [(s.handle(), s.value) for s in forward.sources
              if isinstance(s, _RawSource)]
     replacer = self._replacer(leaves)
-    before = _last_op_id(self.graph)
+    before = watch.last_op_id(self.graph)
     with _forward_reads(reads), replacer:
       rerun = _rerun(forward, leaves, values, self.gated(forward.seed),
                      self.gated(forward.global_step))
@@ -700,11 +705,6 @@ class _GraphRerun:
       if extra is not None:
         grads[i] = extra if grads[i] is None else tf.add(grads[i], extra)
     return grads[:len(targets)]
-
-
-def _last_op_id(graph):
-  """The id of the newest op of `graph` (ops made later have larger ids)."""
-  return max(graph._nodes_by_id, default=0)  # pylint: disable=protected-access
 
 
 def _rerun(forward, leaves, keras_values, seed, global_step):

@@ -99,8 +99,6 @@ def _is_variable_write(op_type):
 
 
 def _check_op(op_type, op_name):
-  if isinstance(op_type, bytes):  # Eager execution passes bytes.
-    op_type = op_type.decode()
   where = f" '{op_name}'" if op_name else ""
   if op_type in _STATEFUL_RANDOM_OPS:
     raise UnreplayableOpError(
@@ -120,7 +118,7 @@ def _undo_generator_draw(op_type, inputs, outputs):
   was (padded to three elements), which is written back, so that the error
   leaves the generator as it found it.
   """
-  if op_type not in ("RngReadAndSkip", b"RngReadAndSkip") or not outputs:
+  if op_type != "RngReadAndSkip" or not outputs:
     return
   handle, old = inputs[0], outputs[0]
   if not isinstance(old, ops.EagerTensor):
@@ -146,8 +144,6 @@ _STATEFUL_ALIKE = {"StatelessWhile": "While", "StatelessIf": "If",
 
 def counted_op_type(op_type):
   """`op_type` as the forward-rerun comparison counts it, or None."""
-  if isinstance(op_type, bytes):  # Eager execution passes bytes.
-    op_type = op_type.decode()
   if op_type.startswith("__"):
     # An eager tf.function call: under a gradient tape TensorFlow calls the
     # function's forward variant, whose name differs.

@@ -15,7 +15,7 @@ import threading
 
 from tensorflow.python.framework import op_callbacks
 
-__all__ = ["Handler"]
+__all__ = ["Handler", "last_op_id"]
 
 _local = threading.local()
 
@@ -37,13 +37,19 @@ def _dispatch(op_type, inputs, attrs, outputs, op_name=None, graph=None):
   return outputs
 
 
+def last_op_id(graph):
+  """The id of the newest op of `graph`: ops made later have larger ids."""
+  return max(graph._nodes_by_id, default=0)  # pylint: disable=protected-access
+
+
 class Handler:
   """A job done on every op made or run while the handler is entered."""
 
   def on_op(self, op_type, inputs, outputs, op_name, graph):
     """Returns the op's outputs: `outputs`, or tensors to use in their place.
 
-    `graph` is the graph the op was added to, None for an eager op.
+    `op_type` is a str (eager ops' bytes are decoded); `graph` is the graph
+    the op was added to, None for an eager op.
     """
     raise NotImplementedError
 
