@@ -15,8 +15,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfremat import builder
-from tfremat import hyperparams
+from tfremat.lingvo import builder
+from tfremat.lingvo import hyperparams
 
 FLAGS = flags.FLAGS
 

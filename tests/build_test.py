@@ -38,8 +38,9 @@ def _listed_files():
 
 def _repository_files():
   found = set()
-  for folder in ("tfremat", "tests", "examples"):
-    found |= {str(p.relative_to(ROOT)) for p in (ROOT / folder).glob("*.py")}
+  for folder, pattern in (("tfremat", "**/*.py"), ("tests", "*.py"),
+                          ("examples", "*.py")):
+    found |= {str(p.relative_to(ROOT)) for p in (ROOT / folder).glob(pattern)}
   return found
 
 

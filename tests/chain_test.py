@@ -210,6 +210,14 @@ def test_policies_keeping_the_same_tensors_share_one_timing(monkeypatch):
   assert masks == masks_softmax
   assert masks[1] == 10.0 - 2.0 and dots[1] == 20.0 - 2.0
   assert dots[0] > masks[0]
+  # The printout names what each policy keeps of this layer: a softmax
+  # policy keeps no softmax of a block that has none.
+  assert [cost.policy_keeps[n] for n in names] == ["masks", "masks",
+                                                   "dots+masks"]
+  plan = planner.Plan([cost], [planner.Segment(0, 1, True,
+                                               "masks_and_softmax_saveable")])
+  assert "remat 0, keeps masks" in str(plan) and "softmax" not in str(
+      plan).split("\n")[1], str(plan)
 
 
 @pytest.mark.parametrize("model", [

@@ -48,12 +48,21 @@ def test_copy_is_deep_but_shares_classes():
   assert p.Copy() == p and q != p
 
 
+def test_text_written_before_the_lingvo_package_still_loads():
+  # Params text names classes by module; the flat paths of earlier versions
+  # (tfremat.hyperparams, tfremat.builder_layers) still resolve.
+  p = _params()
+  text = p.ToText().replace("tfremat.lingvo.hyperparams", "tfremat.hyperparams")
+  assert "type/tfremat.hyperparams/Params" in text
+  assert _params().Set(cls=None).FromText(text) == p
+
+
 def test_text_form_lists_every_value_and_round_trips():
   p = _params()
   text = p.ToText()
   assert text.splitlines() == [
       "activation : 'relu'",
-      "cls : type/tfremat.hyperparams/Params",
+      "cls : type/tfremat.lingvo.hyperparams/Params",
       "dims : 512",
       "dropout.keep_prob : 0.9",
       "layers[0].width : 10",

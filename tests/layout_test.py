@@ -7,28 +7,47 @@ import pathlib
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tfremat"
 
 
+def _module_name(path):
+  """"_src.remat" for tfremat/_src/remat.py; "lingvo" for its __init__; the
+  package's own __init__ is "__init__"."""
+  parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+  if parts[-1] == "__init__" and len(parts) > 1:
+    parts.pop()
+  return ".".join(parts)
+
+
+def _modules():
+  return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imported(node, modules):
+  """The tfremat modules one import statement names."""
+  if isinstance(node, ast.Import):
+    names = [a.name for a in node.names if a.name.split(".")[0] == "tfremat"]
+    return {n[len("tfremat."):] if n != "tfremat" else "__init__"
+            for n in names}
+  if not (isinstance(node, ast.ImportFrom) and node.module and
+          node.module.split(".")[0] == "tfremat"):
+    return set()
+  base = node.module[len("tfremat."):] if node.module != "tfremat" else ""
+  found = set()
+  for alias in node.names:
+    # `from tfremat._src import remat` names a module; `from tfremat import
+    # RematerializeFn` the package that holds the name.
+    full = f"{base}.{alias.name}" if base else alias.name
+    found.add(full if full in modules else (base or "__init__"))
+  return found
+
+
 def _imports():
   """module -> the tfremat modules it imports, lazily imported ones too."""
-  modules = {path.stem for path in PACKAGE.glob("*.py")}
+  modules = _modules()
   graph = {}
-  for path in PACKAGE.glob("*.py"):
+  for name, path in modules.items():
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-      if isinstance(node, ast.ImportFrom) and node.module == "tfremat":
-        # `from tfremat import chain` names a module; `from tfremat import
-        # RematerializeFn` the package's __init__.
-        found |= {a.name if a.name in modules else "__init__"
-                  for a in node.names}
-      elif isinstance(node, ast.ImportFrom) and node.module and (
-          node.module.startswith("tfremat.")):
-        found.add(node.module.split(".")[1])
-      elif isinstance(node, ast.Import):
-        for alias in node.names:
-          if alias.name == "tfremat":
-            found.add("__init__")
-          elif alias.name.startswith("tfremat."):
-            found.add(alias.name.split(".")[1])
-    graph[path.stem] = found - {path.stem}
+      found |= _imported(node, modules)
+    graph[name] = found - {name}
   return graph
 
 
@@ -71,25 +90,39 @@ def test_a_cycle_is_found():
 
 def test_each_idea_sits_at_its_level():
   graph = _imports()
-  assert graph["measure"] == set()  # The bottom: used by all who measure.
-  assert graph["planner"] <= {"measure"}  # Pure: computes, never measures.
-  assert graph["policies"] == set()  # Pure functions of an op's description.
-  assert graph["watch"] == set()  # The one op callback, below all who use it.
-  assert graph["selective"] <= {"policies", "watch"}  # Keeping, replacing.
-  assert "selective" in graph["remat"]
-  assert graph["layers"] <= {"hyperparams", "policies", "remat"}  # The wrapper.
-  assert "chain" not in graph["layers"] | graph["planner"]
+  assert graph["errors"] == set()  # Every module may raise them.
+  deps = {m: found - {"errors"} for m, found in graph.items()}
+  assert deps["measure"] == set()  # The bottom: used by all who measure.
+  assert deps["planner"] <= {"measure"}  # Pure: computes, never measures.
+  assert deps["policies"] == set()  # Pure functions of an op's description.
+  assert deps["_src.watch"] == set()  # The one op callback, below its users.
+  assert deps["_src.selective"] <= {"policies", "_src.watch"}  # Keeping.
+  assert "_src.selective" in deps["_src.remat"]
+  assert deps["_src.layers"] <= {"_src.hyperparams", "policies", "_src.remat"}
+  assert "chain" not in deps["_src.layers"] | deps["planner"]
   top = {"bench", "models"}
-  library = set(graph) - top - {"__init__"}
+  lingvo = {m for m in graph if m.split(".")[0] == "lingvo"}
+  library = set(graph) - top - lingvo - {"__init__"}
   assert not any(graph[m] & {"bench"} for m in graph), graph
-  assert not any(graph[m] & top for m in library), graph
+  assert not any(graph[m] & (top | lingvo) for m in library), graph
+
+
+def test_users_never_need_the_internals():
+  # The public modules export what users call; README, docs and examples
+  # reach nothing under tfremat._src.
+  root = PACKAGE.parent
+  pages = [root / "README.md", *sorted((root / "docs").glob("*.md")),
+           *sorted((root / "examples").glob("*.py"))]
+  assert not [p.name for p in pages if "tfremat._src" in p.read_text()]
+  internal = {m for m in _modules() if m.split(".")[0] == "_src"}
+  assert {"_src.remat", "_src.state", "_src.selective", "_src.watch"} <= internal
 
 
 def test_every_module_says_what_it_exports():
   # `__all__` in the package and every module, and each name in it exists.
   import importlib  # pylint: disable=g-import-not-at-top
-  for path in sorted(PACKAGE.glob("*.py")):
-    name = "tfremat" if path.stem == "__init__" else f"tfremat.{path.stem}"
+  for name in _modules():
+    name = "tfremat" if name == "__init__" else f"tfremat.{name}"
     module = importlib.import_module(name)
     assert isinstance(getattr(module, "__all__", None), list), name
     missing = [n for n in module.__all__ if not hasattr(module, n)]
@@ -97,11 +130,21 @@ def test_every_module_says_what_it_exports():
 
 
 def test_the_lingvo_api_is_gathered_and_old_paths_still_work():
+  import importlib  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  import tfremat  # pylint: disable=g-import-not-at-top,import-outside-toplevel
   from tfremat import builder, builder_layers, hyperparams, lingvo, step_seed  # pylint: disable=g-import-not-at-top,import-outside-toplevel
-  assert lingvo.Params is hyperparams.Params
+  assert lingvo.Params is hyperparams.Params is lingvo.hyperparams.Params
   assert lingvo.Base is builder.Base
-  assert lingvo.layers is builder_layers
+  assert lingvo.layers is builder_layers is lingvo.builder_layers
   assert lingvo.GetStepSeed is step_seed.GetStepSeed
+  # Paths from before the internals moved name the same module objects.
+  for old, new in [("remat", "_src.remat"), ("state", "_src.state"),
+                   ("selective", "_src.selective"), ("layers", "_src.layers"),
+                   ("remat_model", "_src.remat_model"),
+                   ("builder", "lingvo.builder")]:
+    assert (importlib.import_module(f"tfremat.{old}") is
+            importlib.import_module(f"tfremat.{new}")), old
+  assert callable(tfremat.remat_model)  # The function, not its module.
 
 
 def _code_lines(node):
@@ -116,8 +159,8 @@ def _code_lines(node):
 
 def _too_long(functions=60, classes=250):
   found = []
-  for path in sorted(PACKAGE.glob("*.py")):
-    if path.stem == "bench":  # A script of tables, read top to bottom.
+  for module, path in _modules().items():
+    if module == "bench":  # A script of tables, read top to bottom.
       continue
     for node in ast.walk(ast.parse(path.read_text())):
       if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -127,7 +170,7 @@ def _too_long(functions=60, classes=250):
       else:
         continue
       if _code_lines(node) > limit:
-        found.append(f"{path.stem}.{node.name}: {_code_lines(node)} lines")
+        found.append(f"{module}.{node.name}: {_code_lines(node)} lines")
   return found
 
 
@@ -135,3 +178,67 @@ def test_functions_and_classes_stay_short_enough_to_read():
   # Docstrings aside: at most 60 lines a function, 250 a class.
   assert not _too_long(), _too_long()
   assert _too_long(functions=5)  # The check itself finds long ones.
+
+
+_BUILT_IN_ERRORS = {"AttributeError", "Exception", "IndexError", "KeyError",
+                    "NotImplementedError", "RuntimeError", "TypeError",
+                    "ValueError"}
+
+
+def _plain_errors():
+  """Built-in exceptions made with a message in the package: their text
+  would not start with tfremat's prefix (tfremat.errors)."""
+  found = []
+  for module, path in _modules().items():
+    if module == "bench":  # Its command-line errors are absl's UsageError.
+      continue
+    for node in ast.walk(ast.parse(path.read_text())):
+      if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and
+          node.func.id in _BUILT_IN_ERRORS and node.args and
+          isinstance(node.args[0], (ast.Constant, ast.JoinedStr))):
+        found.append(f"{module}:{node.lineno} {node.func.id}")
+  return found
+
+
+def test_every_error_tfremat_raises_is_one_of_its_own():
+  # A message users read starts with "tfremat: " (see tests/errors_test.py);
+  # bare NotImplementedError in abstract methods and AttributeError(name) in
+  # __getattr__ carry no message for users and are left alone.
+  assert not _plain_errors(), _plain_errors()
+
+
+def _self_attributes(function):
+  """The names `function` assigns as `self.name`."""
+  names = set()
+  for node in ast.walk(function):
+    targets = (node.targets if isinstance(node, ast.Assign) else
+               [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+               else [])
+    for target in targets:
+      for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+        if (isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+            and t.value.id == "self"):
+          names.add(t.attr)
+  return names
+
+
+def _attributes_set_late():
+  """`module.Class.attribute` for attributes first set outside __init__."""
+  found = []
+  for module, path in _modules().items():
+    for cls in ast.walk(ast.parse(path.read_text())):
+      if not isinstance(cls, ast.ClassDef):
+        continue
+      methods = [f for f in cls.body if isinstance(f, ast.FunctionDef)]
+      early = set().union(*[_self_attributes(f) for f in methods
+                            if f.name == "__init__"])
+      late = set().union(*[_self_attributes(f) for f in methods
+                           if f.name != "__init__"])
+      # Keras sets `built` in Layer.__init__; a layer's build sets it again.
+      found += [f"{module}.{cls.name}.{a}" for a in late - early - {"built"}]
+  return sorted(found)
+
+
+def test_every_attribute_is_set_in_init():
+  # A reader sees in __init__ everything an object holds.
+  assert not _attributes_set_late(), _attributes_set_late()

@@ -48,9 +48,10 @@ def test_tests_import_the_installed_package_when_it_is_not_editable():
                 "source tree is imported by design")
   installed = pathlib.Path(str(dist.locate_file("tfremat/__init__.py")))
   assert pathlib.Path(tfremat.__file__).resolve() == installed.resolve()
-  shipped = {pathlib.PurePath(f).name for f in dist.files
+  shipped = {pathlib.PurePath(f).as_posix() for f in dist.files
              if str(f).startswith("tfremat/") and str(f).endswith(".py")}
-  source = {p.name for p in (ROOT / "tfremat").glob("*.py")}
+  source = {p.relative_to(ROOT).as_posix()
+            for p in (ROOT / "tfremat").rglob("*.py")}
   assert source <= shipped, sorted(source - shipped)
 
 

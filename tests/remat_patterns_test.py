@@ -257,6 +257,43 @@ def test_rerun_returning_something_else_raises(mode, kind):
     compile_step(step, mode)(tf.ones([2, 3]))
 
 
+def _flaky_block(x):
+  return tf.tanh(tf.sin(x))  # The second call's extra op: this line.
+
+
+_FLAKY_LINE = "remat_patterns_test.py:" + str(
+    _flaky_block.__code__.co_firstlineno + 1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("how", ["argument", "scope", "off"])
+def test_debug_shows_every_op_and_the_line_that_made_it(mode, how):
+  # PyTorch's checkpoint(debug=True): the whole op sequences of both passes,
+  # each op with where in the caller's code it was made.
+  def step(x):
+    with tf.GradientTape() as tape:
+      tape.watch(x)
+      y = tfremat.RematerializeFn(
+          _Flaky(_flaky_block), x,
+          debug=True if how == "argument" else None)
+    return tape.gradient(y, x)
+
+  with tfremat.debug_reruns(how == "scope"):
+    with pytest.raises(tfremat.RerunMismatchError) as info:
+      compile_step(step, mode)(tf.ones([2, 3]))
+  message = str(info.value)
+  assert message.count("tfremat: ") == 1, message
+  assert ("Sin" in message and "Tanh" in message and
+          "the first difference" in message), message
+  if how == "off":
+    assert "debug=True" in message and _FLAKY_LINE not in message, message
+    return
+  # Every op of both passes is listed, the rerun's Tanh with its line.
+  tanh = [line for line in message.splitlines() if "Tanh" in line]
+  assert len(tanh) == 1 and _FLAKY_LINE in tanh[0], message
+  assert "debug=True" not in message, message
+
+
 @pytest.mark.parametrize("mode", ["eager", "function"])
 def test_values_determinism_check_catches_different_values(mode):
   # [4] Opt-in, like PyTorch's determinism_check: the values are compared.

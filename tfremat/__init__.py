@@ -54,35 +54,68 @@ if "TF_CPP_MIN_LOG_LEVEL" not in os.environ and _own_program():
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 
-from tfremat import builder
 from tfremat import chain
-from tfremat import hyperparams
+from tfremat import errors
 from tfremat import lingvo
 from tfremat import measure
 from tfremat import planner
 from tfremat import policies
-from tfremat.layers import RematerializationLayer
+from tfremat._src.in_place import is_remat_in_place
+from tfremat._src.in_place import remat_in_place
+from tfremat._src.in_place import remat_in_place_for_budget
+from tfremat._src.in_place import undo_remat_in_place
+from tfremat._src.layers import RematerializationLayer
+from tfremat._src.remat import RematerializeFn
+from tfremat._src.remat import debug_reruns
+from tfremat._src.remat import rematerialize
+from tfremat._src.remat_model import chain_units
+from tfremat._src.remat_model import remat_model
+from tfremat._src.residuals import saved_residuals
 from tfremat.chain import RematSequential
 from tfremat.chain import remat_sequential
-from tfremat.in_place import is_remat_in_place
-from tfremat.in_place import remat_in_place
-from tfremat.in_place import remat_in_place_for_budget
-from tfremat.in_place import undo_remat_in_place
-from tfremat.remat import RematerializeFn
-from tfremat.remat import RerunMismatchError
-from tfremat.remat import rematerialize
+from tfremat.errors import RerunMismatchError
+from tfremat.errors import UnreplayableOpError
+from tfremat.lingvo import DeterministicDropout
+from tfremat.lingvo import GenerateStepSeedPair
+from tfremat.lingvo import GetGlobalStep
+from tfremat.lingvo import GetIncStepSeed
+from tfremat.lingvo import GetStepSeed
+from tfremat.lingvo import ResetStepSeed
+from tfremat.lingvo import SetGlobalStep
 from tfremat.policies import checkpoint_name
-from tfremat.remat_model import chain_units
-from tfremat.remat_model import remat_model
-from tfremat.residuals import saved_residuals
-from tfremat.state import UnreplayableOpError
-from tfremat.step_seed import DeterministicDropout
-from tfremat.step_seed import GenerateStepSeedPair
-from tfremat.step_seed import GetGlobalStep
-from tfremat.step_seed import GetIncStepSeed
-from tfremat.step_seed import GetStepSeed
-from tfremat.step_seed import ResetStepSeed
-from tfremat.step_seed import SetGlobalStep
+
+
+def _keep_old_module_paths():
+  """Import paths from before the internals moved to `tfremat._src` and the
+  Lingvo API to `tfremat.lingvo`: `tfremat.remat`, `from tfremat import
+  builder` and the rest name the same module objects as before (so their
+  private names and Params text written as `type/tfremat.builder_layers/...`
+  still resolve). `tfremat.remat_model` stays the function; its module is
+  importable as `tfremat.remat_model` for `from ... import`."""
+  import importlib  # pylint: disable=import-outside-toplevel
+  moved = {
+      "builder": "lingvo.builder",
+      "builder_layers": "lingvo.builder_layers",
+      "hyperparams": "_src.hyperparams",
+      "in_place": "_src.in_place",
+      "layers": "_src.layers",
+      "remat": "_src.remat",
+      "remat_model": "_src.remat_model",
+      "residuals": "_src.residuals",
+      "selective": "_src.selective",
+      "state": "_src.state",
+      "step_seed": "_src.step_seed",
+      "watch": "_src.watch",
+  }
+  package = sys.modules[__name__]
+  for old, new in moved.items():
+    module = importlib.import_module(f"{__name__}.{new}")
+    sys.modules[f"{__name__}.{old}"] = module
+    if old != "remat_model":
+      setattr(package, old, module)
+
+
+_keep_old_module_paths()
 
 __version__ = "0.1.0"
 
@@ -104,6 +137,7 @@ __all__ = [
     "saved_residuals",
     "RerunMismatchError",
     "UnreplayableOpError",
+    "debug_reruns",
     # Lingvo's step seeds (also in tfremat.lingvo).
     "DeterministicDropout",
     "GenerateStepSeedPair",
@@ -115,6 +149,7 @@ __all__ = [
     # Modules.
     "builder",
     "chain",
+    "errors",
     "hyperparams",
     "lingvo",
     "measure",

@@ -18,13 +18,14 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
-from tfremat import layers as layers_lib
+from tfremat import errors
 from tfremat import measure
 from tfremat import planner
 from tfremat import policies as policies_lib
-from tfremat import residuals
-from tfremat import watch
-from tfremat.layers import RematerializationLayer
+from tfremat._src import layers as layers_lib
+from tfremat._src import residuals
+from tfremat._src import watch
+from tfremat._src.layers import RematerializationLayer
 
 __all__ = [
     "ContextUnit",
@@ -76,7 +77,7 @@ class ContextUnit(keras.layers.Layer):
     if context is None:
       context = self.sample_context
     if context is None:
-      raise ValueError(
+      raise errors.InvalidArgumentError(
           f"{self.name} reads the chain's context (a padding mask, say): "
           "call the RematSequential holding it with context=[...].")
     return self.unit([x] + [context[i] for i in self.context_indices],
@@ -328,7 +329,7 @@ def _chain_layers(layers, caller):
   if isinstance(layers, keras.Sequential):
     layers = layers.layers
   elif isinstance(layers, keras.layers.Layer):
-    raise TypeError(
+    raise errors.InvalidTypeError(
         f"{caller} needs a list of Keras layers or a keras.Sequential; got "
         f"one {type(layers).__name__}. Pass [layer] for a chain of one.")
   layers = list(layers)
@@ -336,7 +337,7 @@ def _chain_layers(layers, caller):
     layers_lib.refuse_keras2(l, caller)
   bad = [l for l in layers if not isinstance(l, keras.layers.Layer)]
   if not layers or bad:
-    raise TypeError(
+    raise errors.InvalidTypeError(
         f"{caller} needs a non-empty list of Keras layers or a "
         f"keras.Sequential; got "
         f"{[type(l).__name__ for l in bad] or 'an empty list'}.")
@@ -386,7 +387,7 @@ def remat_sequential(layers, segments=None, budget=None, sample_input=None,
     ValueError, TypeError: bad arguments, before anything is measured.
   """
   if (segments is None) == (budget is None):
-    raise ValueError(
+    raise errors.InvalidArgumentError(
         "remat_sequential: give either segments (an int or \"sqrt\") or "
         "budget with sample_input, not both or neither.")
   layers = _chain_layers(layers, "remat_sequential")
@@ -395,14 +396,14 @@ def remat_sequential(layers, segments=None, budget=None, sample_input=None,
                            planner.uniform_segments(len(layers), segments),
                            policy=policy)
   if policy is not None:
-    raise ValueError(
+    raise errors.InvalidArgumentError(
         "remat_sequential: with a budget the planner chooses each segment's "
         "policy; name the ones it may choose with policies=[...], or give "
         "segments= to use one policy everywhere.")
   policies = planned_policies(policies)
   budget = planner.Budget.parse(budget)
   if sample_input is None:
-    raise ValueError(
+    raise errors.InvalidArgumentError(
         "remat_sequential: budget needs sample_input, a batch to measure the "
         "layers on.")
   chosen = checked_plan(layers, budget, sample_input, verbose=verbose,
@@ -419,7 +420,7 @@ def planned_policies(names):
   bad = [n for n in names if not isinstance(n, str) or
          n not in policies_lib.BUILT_IN or policies_lib.is_nothing(n)]
   if bad:
-    raise ValueError(
+    raise errors.InvalidArgumentError(
         f"The planner chooses among built-in save policies, named; got "
         f"{bad!r}. Choose from the built-ins other than nothing_saveable "
         f"(default: {list(policies_lib.PLANNED)}); recomputing everything is "
@@ -606,11 +607,12 @@ def measure_layer(layer, x, repeats=5, policies=()):
     del tape, held
   saved = max(0, saved)
   fwd_peak = measure.peak_bytes(forward, x)
-  kept, first_alike = {}, {}
+  kept, keeps, first_alike = {}, {}, {}
   for p in policies:
     found = [r for r in residuals.saved_residuals(
         lambda h: layer(h, training=True), x, policy=p) if r.source == "policy"]
     kept[p] = sum(r.num_bytes for r in found)
+    keeps[p] = _kinds_kept(found)
     alike = tuple((r.what.split()[0], r.shape, r.dtype) for r in found)
     first_alike[p] = first_alike.setdefault(alike, p)
   timed = [p for p in policies if first_alike[p] == p]
@@ -632,8 +634,26 @@ def measure_layer(layer, x, repeats=5, policies=()):
       backward_transient_bytes=max(
           0, peak_once - (saved + out + out + inp + grads)),
       weight_grad_bytes=grads,
-      policy_costs=policy_costs)
+      policy_costs=policy_costs,
+      policy_keeps=keeps)
   return cost, y
+
+
+_DOTS = ("MatMul", "BatchMatMul", "Einsum", "Conv", "DepthwiseConv")
+
+
+def _kinds_kept(residuals_kept):
+  """What a policy keeps of a layer, by kind, for the plan's printout."""
+  kinds = []
+  for r in residuals_kept:
+    op = r.what.split()[0]
+    kind = ("masks" if "bool" in str(r.dtype) else
+            "dots" if op.startswith(_DOTS) else
+            "softmax" if op == "Softmax" else op)
+    if kind not in kinds:
+      kinds.append(kind)
+  order = {"dots": 0, "masks": 1, "softmax": 2}
+  return "+".join(sorted(kinds, key=lambda k: order.get(k, 3))) or "nothing"
 
 
 # Planned chains run ordered (`RematSequential(..., ordered=True)`), as they

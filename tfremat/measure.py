@@ -23,6 +23,8 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from tfremat import errors
+
 __all__ = [
     "memory_device",
     "current_bytes",
@@ -70,7 +72,7 @@ def _check_statistics(device):
   except ValueError as e:
     problem = f"keeps none ({e})"
   if problem is not None:
-    raise RuntimeError(
+    raise errors.UnsupportedError(
         f"TensorFlow's allocator statistics for {device} are not usable (it "
         f"{problem}), so a step's peak cannot be measured. On the CPU they "
         "need the BFC allocator: set TF_CPU_ALLOCATOR_USE_BFC=true in the "
@@ -116,7 +118,7 @@ def peak_bytes(step, *args, calls=PEAK_CALLS, warmup=True, **kwargs):
 def peaks(step, *args, calls=PEAK_CALLS, warmup=True, **kwargs):
   """Every call's peak, as `peak_bytes` measures them: a list of ints."""
   if isinstance(calls, bool) or not isinstance(calls, int) or calls < 1:
-    raise ValueError(f"calls must be a positive int; got {calls!r}.")
+    raise errors.InvalidArgumentError(f"calls must be a positive int; got {calls!r}.")
   device = memory_device()
   _check_statistics(device)
   if warmup:

@@ -7,7 +7,7 @@ blocks are functional `keras.Model`s.
 
 import keras
 
-from tfremat.layers import RematerializationLayer
+from tfremat._src.layers import RematerializationLayer
 
 __all__ = [
     "residual_mlp",

@@ -29,6 +29,7 @@ import math
 import re
 import numpy as np
 
+from tfremat import errors
 from tfremat import measure
 
 __all__ = [
@@ -132,6 +133,9 @@ class LayerCost:
       under the policy when rematerialized (beyond its output), and what
       rematerializing it under the policy adds to a training step's time
       (measured, like the rest, by `measure_chain`).
+    policy_keeps: per save policy name, what it keeps of this layer by
+      kind, for printouts: "dots", "masks", "softmax", other op types joined
+      with "+", or "nothing" (a softmax policy on a layer without softmax).
   """
   name: str
   forward_seconds: float
@@ -144,6 +148,7 @@ class LayerCost:
   weight_grad_bytes: int
   waiting_recompute_seconds: float = 0.0
   policy_costs: dict = dataclasses.field(default_factory=dict)
+  policy_keeps: dict = dataclasses.field(default_factory=dict)
 
   def recompute_seconds(self, policy=None):
     """What rematerializing this layer adds to a step (before waiting)."""
@@ -196,14 +201,14 @@ class Budget:
     if isinstance(value, Budget):
       return value
     if isinstance(value, (bool, np.bool_)):
-      raise TypeError(f"A budget is {_BUDGET_FORMS}; got {value!r}.")
+      raise errors.InvalidTypeError(f"A budget is {_BUDGET_FORMS}; got {value!r}.")
     if isinstance(value, (int, np.integer)):
       if value <= 0:
-        raise ValueError(f"A budget must be positive; got {value} bytes.")
+        raise errors.InvalidArgumentError(f"A budget must be positive; got {value} bytes.")
       return cls(num_bytes=int(value))
     if isinstance(value, (float, np.floating)):
       if not 0 < value <= 1:  # Also NaN.
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"A float budget is a fraction of the keep-everything peak, in "
             f"(0, 1]; got {value!r}. Give bytes as an int or a string such as "
             "\"200MiB\".")
@@ -214,13 +219,13 @@ class Budget:
       unit = match and match.group(2).lower()
       if match and unit == "%":
         if not 0 < float(match.group(1)) <= 100:
-          raise ValueError(
+          raise errors.InvalidArgumentError(
               f"A percentage budget must be in (0%, 100%]; got {value!r}.")
         return cls(fraction=float(match.group(1)) / 100)
       if match and unit in _UNITS or match and not unit:
         return cls.parse(int(float(match.group(1)) * _UNITS[unit or "b"]))
-      raise ValueError(f"A budget is {_BUDGET_FORMS}; got {value!r}.")
-    raise TypeError(f"A budget is {_BUDGET_FORMS}; got {value!r}.")
+      raise errors.InvalidArgumentError(f"A budget is {_BUDGET_FORMS}; got {value!r}.")
+    raise errors.InvalidTypeError(f"A budget is {_BUDGET_FORMS}; got {value!r}.")
 
   def bytes_given(self, keep_everything_bytes):
     """The budget in bytes, given the measured peak of keeping everything."""
@@ -315,7 +320,7 @@ def check_segments(segments, n):
   if (not segments or segments[0].start != 0 or segments[-1].stop != n or
       [s.stop for s in segments[:-1]] != stops or
       any(s.stop <= s.start for s in segments)):
-    raise ValueError(
+    raise errors.InvalidArgumentError(
         f"segments must cover layers 0..{n} in order without gaps; got "
         f"{segments}.")
 
@@ -498,7 +503,7 @@ class Plan:
 
   def _layer_rows(self):
     mib = measure.format_bytes
-    rows = [f"{'layer':<24}{'decision':<22}{'stored':>11}{'output':>11}"
+    rows = [f"{'layer':<24}{'decision':<30}{'stored':>11}{'output':>11}"
             f"{'fwd ms':>9}{'wait ms':>9}"]
     for k, seg in enumerate(self.segments):
       for i in range(seg.start, seg.stop):
@@ -508,9 +513,11 @@ class Plan:
         else:
           what = f"remat {k}"
           if seg.policy:
-            what += f", {short_policy_name(seg.policy)}"
+            keeps = c.policy_keeps.get(seg.policy)
+            what += (f", keeps {keeps}" if keeps else
+                     f", {short_policy_name(seg.policy)}")
           stored = c.kept_bytes(seg.policy)
-        rows.append(f"{c.name[:23]:<24}{what:<22}{mib(stored):>11}"
+        rows.append(f"{c.name[:23]:<24}{what:<30}{mib(stored):>11}"
                     f"{mib(c.output_bytes):>11}"
                     f"{1000 * c.forward_seconds:>9.2f}"
                     f"{1000 * c.waiting_recompute_seconds:>9.2f}")
@@ -559,7 +566,8 @@ class Plan:
 LEGEND = """\
 decision: keep (the layer's activations are stored for the backward pass) or
   remat k (segment k's layers rerun in the backward pass; only its last
-  output is stored, and what its save policy keeps, if one is named).
+  output is stored, and what its save policy keeps, if one is named: "keeps
+  dots" are matrix products and convolutions, "masks" dropout masks).
 stored: what the layer stores for the backward pass under this decision,
   beyond its output. output: its output. fwd ms: one forward call (what
   rerunning it costs). wait ms: what its rerun adds when it waits for later
@@ -711,7 +719,7 @@ def unreachable_budget_error(costs, budget, budget_bytes, keep_peak, lowest,
   asked = (f"{budget.fraction:.0%} of the keep-everything peak, "
            if budget is not None and budget.fraction is not None else "")
   terms = "; ".join(f"{what}: {mib(n)}" for what, n in floor_terms(costs))
-  return ValueError(
+  return errors.InvalidArgumentError(
       f"No rematerialization plan fits a budget of {asked}{mib(budget_bytes)}:"
       f" {how} is {mib(lowest)}, {lowest / max(1, keep_peak):.0%} of the "
       f"measured keep-everything peak ({mib(keep_peak)}). What every plan "
@@ -736,7 +744,7 @@ def infeasible_budget_error(budget_bytes, need, estimated_by=None):
   """The ValueError for a budget below `need`, the smallest that works
   (`estimated_by`: how `need` was estimated, if not by the model alone)."""
   about, how = ("about ", f", {estimated_by}") if estimated_by else ("", "")
-  return ValueError(
+  return errors.InvalidArgumentError(
       f"No rematerialization plan fits a budget of {budget_bytes} bytes "
       f"({budget_bytes / 2**20:.1f} MiB); the smallest budget that works for "
       f"this chain is {about}{need} bytes ({need / 2**20:.1f} MiB){how}. "
@@ -754,7 +762,7 @@ def uniform_segments(num_layers, segments):
     segments = max(1, round(math.sqrt(num_layers)))
   if (not isinstance(segments, int) or isinstance(segments, bool) or
       not 1 <= segments <= max(1, num_layers)):
-    raise ValueError(
+    raise errors.InvalidArgumentError(
         f"segments must be an int from 1 to the number of layers "
         f"({num_layers}) or \"sqrt\"; got {segments!r}.")
   bounds = [round(i * num_layers / segments) for i in range(segments + 1)]

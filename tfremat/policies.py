@@ -62,6 +62,8 @@ import threading
 
 import tensorflow as tf
 
+from tfremat import errors
+
 __all__ = [
     "Op",
     "Policy",
@@ -132,7 +134,7 @@ def checkpoint_name(x, name):
   eager mode, it only costs an identity.
   """
   if not isinstance(name, str) or not name:
-    raise TypeError(
+    raise errors.InvalidTypeError(
         f"checkpoint_name needs a non-empty string name; got {name!r}.")
 
   def mark(t):
@@ -352,7 +354,7 @@ dots_with_no_batch_dims_masks_and_softmax_saveable = (
 def _names(names, caller):
   names = tuple(names)
   if not names or not all(isinstance(n, str) and n for n in names):
-    raise TypeError(f"{caller} takes one or more non-empty string names; got "
+    raise errors.InvalidTypeError(f"{caller} takes one or more non-empty string names; got "
                     f"{names!r}.")
   return names
 
@@ -478,14 +480,14 @@ def get(policy):
     return nothing_saveable
   if isinstance(policy, str):
     if policy not in BUILT_IN:
-      raise ValueError(
+      raise errors.InvalidArgumentError(
           f"Unknown policy {policy!r}. The named policies are "
           f"{sorted(BUILT_IN)}; for names given with checkpoint_name use "
           "tfremat.policies.save_only_these_names(...), or pass a function "
           "of a tfremat.policies.Op returning True to keep its outputs.")
     return BUILT_IN[policy]
   if not callable(policy):
-    raise TypeError(
+    raise errors.InvalidTypeError(
         f"A policy is a function of a tfremat.policies.Op returning True to "
         f"keep the op's outputs, or a built-in policy's name "
         f"({sorted(BUILT_IN)}); got {type(policy).__name__}: {policy!r}.")

@@ -33,8 +33,9 @@ from tensorflow.python.eager import record
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import array_ops
 
+from tfremat import errors
 from tfremat import policies
-from tfremat import watch
+from tfremat._src import watch
 
 __all__ = [
     "describe",
@@ -254,7 +255,7 @@ class ForwardSaver(_OpWatcher):
     info = describe(op, name)
     keep = self.policy(info)
     if keep is not None and not isinstance(keep, (bool, np.bool_)):
-      raise TypeError(
+      raise errors.InvalidTypeError(
           f"A save policy must return True or False; "
           f"{policies.name_of(self.policy)} returned {keep!r} for {info}.")
     if keep:

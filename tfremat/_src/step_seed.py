@@ -21,6 +21,8 @@ import threading
 
 import tensorflow as tf
 
+from tfremat import errors
+
 __all__ = [
     "ResetStepSeed",
     "GetStepSeed",
@@ -85,7 +87,7 @@ def SetGlobalStep(step):
   if step is not None and (
       not hasattr(step, "dtype") or not tf.as_dtype(step.dtype).is_integer or
       tuple(getattr(step, "shape", None) or (None,)) != ()):
-    raise TypeError(
+    raise errors.InvalidTypeError(
         "SetGlobalStep expects a scalar integer variable such as "
         f"optimizer.iterations, or None; got {step!r}. Seed pairs are "
         "[global step, seed], so the step must be one integer.")
@@ -143,7 +145,7 @@ def GenerateStepSeedPair(random_seed=None, op_seed=None):
     RuntimeError: in a tf.function with no global step set.
   """
   if not tf.executing_eagerly() and not HasGlobalStep():
-    raise RuntimeError(_NO_GLOBAL_STEP)
+    raise errors.UnsupportedError(_NO_GLOBAL_STEP)
   return SeedPair(GetGlobalStep(), random_seed, op_seed)
 
 
@@ -176,14 +178,14 @@ def DeterministicDropout(x, keep_prob, seeds, noise_shape=None, name=None):
   """
   if not tf.is_tensor(keep_prob) and (
       not isinstance(keep_prob, (int, float)) or not 0.0 < keep_prob <= 1.0):
-    raise ValueError(
+    raise errors.InvalidArgumentError(
         f"DeterministicDropout: keep_prob must be a float in (0, 1] or a "
         f"scalar tensor, got {keep_prob!r}. Note that it is the probability "
         "to KEEP an element (Lingvo's convention), i.e. 1 - rate.")
   with tf.name_scope(name or "deterministic_dropout"):
     x = tf.convert_to_tensor(x)
     if not x.dtype.is_floating:
-      raise ValueError(
+      raise errors.InvalidArgumentError(
           f"DeterministicDropout: x must be a floating point tensor, got "
           f"{x.dtype.name}. Cast it first, e.g. tf.cast(x, tf.float32).")
     if not tf.is_tensor(keep_prob) and keep_prob == 1.0:

@@ -11,9 +11,10 @@ layer's: weights, output shapes, dtypes, masks, losses.
 
 import keras
 
-from tfremat import hyperparams
+from tfremat import errors
 from tfremat import policies
-from tfremat import remat
+from tfremat._src import hyperparams
+from tfremat._src import remat
 
 __all__ = [
     "RematerializationLayer",
@@ -31,7 +32,7 @@ def refuse_keras2(obj, caller):
   if not any(c.__module__.split(".")[0] == "tf_keras"
              for c in type(obj).__mro__):
     return
-  raise TypeError(
+  raise errors.InvalidTypeError(
       f"{caller} got a Keras 2 {type(obj).__name__} (from tf_keras, which is "
       "also what tf.keras is when TF_USE_LEGACY_KERAS=1). tfremat's layers, "
       "remat_model and remat_sequential take Keras 3 layers and models "
@@ -80,14 +81,14 @@ class RematerializationLayer(keras.layers.Wrapper):
       policies.get(policy)  # A bad policy is refused before anything else.
     refuse_keras2(layer, "RematerializationLayer")
     if not isinstance(layer, keras.layers.Layer):
-      raise TypeError(
+      raise errors.InvalidTypeError(
           "RematerializationLayer wraps a Keras layer (keras.layers.Layer, "
           f"including Sequential and functional models); got "
           f"{type(layer).__name__}: {layer!r}. To rematerialize a plain "
           "function, use tfremat.RematerializeFn(fn, *inputs) or the "
           "@tfremat.rematerialize decorator.")
     if isinstance(layer, keras.layers.InputLayer):
-      raise TypeError(
+      raise errors.InvalidTypeError(
           "RematerializationLayer cannot wrap an InputLayer: it holds no "
           "computation. Wrap the layers that follow the input.")
     kwargs.setdefault("dtype", _unquantized(layer.dtype_policy))
@@ -118,7 +119,7 @@ class RematerializationLayer(keras.layers.Wrapper):
   @classmethod
   def FromParams(cls, params):
     if not hyperparams.IsInstantiable(params.body):
-      raise ValueError(
+      raise errors.InvalidArgumentError(
           f"RematerializationLayer {params.name}: body must be instantiable "
           f"Params (e.g. from a builder helper); got {params.body!r}.")
     return cls(params.body.Instantiate(), name=params.name,

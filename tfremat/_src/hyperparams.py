@@ -21,6 +21,8 @@ import os
 import re
 import sys
 
+from tfremat import errors
+
 __all__ = [
     "Params",
     "InstantiableParams",
@@ -84,7 +86,7 @@ def _TextToValue(text, key):
   if match:
     kind, module, name = match.groups()
     if "<locals>" in name.split("."):
-      raise ValueError(
+      raise errors.InvalidArgumentError(
           f"FromText: {key} names a local {kind} ({text}), which cannot be "
           "looked up again; define it at module level.")
     try:
@@ -92,7 +94,7 @@ def _TextToValue(text, key):
       for part in name.split("."):
         obj = getattr(obj, part)
     except (ImportError, AttributeError) as e:
-      raise ValueError(
+      raise errors.InvalidArgumentError(
           f"FromText: {key} names {kind} {name} in module {module}, which "
           f"cannot be imported here ({e}). Put the module's directory on "
           "sys.path (PYTHONPATH) or install its package.") from e
@@ -100,7 +102,7 @@ def _TextToValue(text, key):
   try:
     return ast.literal_eval(text)
   except (ValueError, SyntaxError) as e:
-    raise ValueError(
+    raise errors.InvalidArgumentError(
         f"FromText: cannot parse the value of {key}: {text!r}. Values are "
         "Python literals, type/module/Name or callable/module/name.") from e
 
@@ -115,11 +117,11 @@ class Params:
     """Defines a parameter `name` with a default value and a description."""
     if not isinstance(name, str) or not re.fullmatch(r"[a-z_][a-z0-9_]*",
                                                       name):
-      raise ValueError(
+      raise errors.InvalidArgumentError(
           f"Params.Define: {name!r} is not a valid parameter name; use "
           "lower_case_with_underscores.")
     if name in self._params:
-      raise AttributeError(f"Params.Define: {name!r} is already defined.")
+      raise errors.MissingAttributeError(f"Params.Define: {name!r} is already defined.")
     self._params[name] = _Param(name, default_value, description)
 
   def _Lookup(self, name):
@@ -129,7 +131,7 @@ class Params:
       close = difflib.get_close_matches(name, list(self._params), n=3)
       hint = (f" Did you mean: {', '.join(close)}?" if close else
               f" Defined: {', '.join(sorted(self._params)) or 'none'}.")
-      raise AttributeError(
+      raise errors.MissingAttributeError(
           f"{name!r} is not defined in these Params.{hint}") from None
 
   def __getattr__(self, name):
@@ -235,13 +237,13 @@ class Params:
         items = node._Lookup(match.group(1)).value
         index = int(match.group(2))
         if not _IsParamsList(items) or index >= len(items):
-          raise AttributeError(
+          raise errors.MissingAttributeError(
               f"{key}: {part} is not an item of a list of Params.")
         node = items[index]
       else:
         node = node._Lookup(part).value
       if not isinstance(node, Params):
-        raise AttributeError(f"{key}: {part} is not a Params.")
+        raise errors.MissingAttributeError(f"{key}: {part} is not a Params.")
     return node, parts[-1]
 
   def FromText(self, text):
@@ -253,7 +255,7 @@ class Params:
         continue
       key, sep, value = line.partition(" : ")
       if not sep:
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             f"FromText line {number}: expected 'name : value', got {line!r}.")
       updates[key.strip()] = _TextToValue(value.strip(), key)
     # All lines parse before Set, which checks every name before setting any.
@@ -271,10 +273,15 @@ class InstantiableParams(Params):
   def Instantiate(self):
     """`cls.FromParams(self)` when the class defines it, else `cls(self)`."""
     if self.cls is None:
-      raise ValueError("Instantiate: these params have no cls set.")
+      raise errors.InvalidArgumentError("Instantiate: these params have no cls set.")
     factory = getattr(self.cls, "FromParams", None)
     return factory(self) if factory is not None else self.cls(self)
 
 
 def IsInstantiable(params):
   return isinstance(params, InstantiableParams)
+
+
+# Users import these from `tfremat.lingvo.hyperparams`, the name their text
+# form (`cls : type/...`) and their repr give.
+Params.__module__ = InstantiableParams.__module__ = "tfremat.lingvo.hyperparams"

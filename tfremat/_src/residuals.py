@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from tfremat import measure
 from tfremat import policies
-from tfremat import remat
+from tfremat._src import remat
 
 __all__ = [
     "saved_residuals",

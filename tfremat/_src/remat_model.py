@@ -23,11 +23,12 @@ from keras.src.models import functional
 import numpy as np
 
 from tfremat import chain as chain_lib
+from tfremat import errors
 from tfremat import planner
 from tfremat import policies as policies_lib
-from tfremat import remat
-from tfremat.layers import RematerializationLayer
-from tfremat.layers import refuse_keras2
+from tfremat._src import remat
+from tfremat._src.layers import RematerializationLayer
+from tfremat._src.layers import refuse_keras2
 
 __all__ = [
     "remat_model",
@@ -50,7 +51,7 @@ class RematerializeActivation(keras.layers.Wrapper):
 
   def __init__(self, layer, **kwargs):
     if getattr(layer, "activation", None) is None:
-      raise ValueError(
+      raise errors.InvalidArgumentError(
           f"RematerializeActivation needs a layer with an activation; "
           f"{layer.name} ({type(layer).__name__}) has none.")
     kwargs.setdefault("name", f"remat_activation_{layer.name}")
@@ -130,26 +131,26 @@ def _all_layers(model):
 def _check(model, mode, output_size_threshold, layer_names):
   """Raises on bad arguments, before anything is built."""
   if not _is_graph_model(model):
-    raise TypeError(
+    raise errors.InvalidTypeError(
         "remat_model needs a keras.Sequential or a functional keras.Model; "
         f"got {type(model).__name__}. For a subclassed model, wrap its "
         "blocks in tfremat.RematerializationLayer where it builds them.")
   if not model.built or not getattr(model, "inputs", None):
-    raise ValueError(
+    raise errors.InvalidArgumentError(
         "remat_model needs a built model with known inputs: give a "
         "Sequential an Input (or call build) first.")
   if mode not in MODES:
-    raise ValueError(
+    raise errors.InvalidArgumentError(
         f"remat_model: mode must be one of {', '.join(MODES)}; got {mode!r}.")
   if mode == "larger_than" and (
       isinstance(output_size_threshold, bool) or
       not isinstance(output_size_threshold, int) or output_size_threshold < 0):
-    raise ValueError(
+    raise errors.InvalidArgumentError(
         "remat_model: output_size_threshold must be a non-negative int (a "
         f"number of elements); got {output_size_threshold!r}.")
   if mode == "list_of_layers":
     if isinstance(layer_names, str) or not layer_names:
-      raise ValueError(
+      raise errors.InvalidArgumentError(
           "remat_model: mode=\"list_of_layers\" needs layer_names, a "
           f"non-empty list of layer names; got {layer_names!r}.")
     names = {l.name for l in _all_layers(model)}
@@ -157,11 +158,11 @@ def _check(model, mode, output_size_threshold, layer_names):
     if unknown:
       hints = {n: difflib.get_close_matches(n, sorted(names), n=2)
                for n in unknown}
-      raise ValueError(
+      raise errors.InvalidArgumentError(
           f"remat_model: no layers named {unknown} in {model.name} (close: "
           f"{hints}). Its layers: {', '.join(sorted(names))}.")
   elif layer_names is not None:
-    raise ValueError(
+    raise errors.InvalidArgumentError(
         f"remat_model: layer_names is for mode=\"list_of_layers\", not "
         f"{mode!r}.")
 
@@ -229,13 +230,13 @@ def remat_model(model, mode="full", output_size_threshold=1024,
   _check(model, mode, output_size_threshold, layer_names)
   if policy is not None:
     if mode == "activations":
-      raise ValueError(
+      raise errors.InvalidArgumentError(
           "remat_model: policy= is for rematerialized layers; "
           "mode=\"activations\" recomputes activation functions only, "
           "which keep nothing worth a policy.")
     policies_lib.get(policy)  # A bad policy is refused before anything is built.
   if sample_input is not None and mode != "larger_than":
-    raise ValueError(
+    raise errors.InvalidArgumentError(
         "remat_model: sample_input is for budget= or mode=\"larger_than\", "
         f"not mode={mode!r}.")
   if mode == "full":
@@ -567,18 +568,18 @@ def _planned(model, budget, sample_input, policy_names, verbose, mode,
       model, "inputs", None):
     _check(model, "full", 0, None)
   if mode != "full" or policy is not None or layer_names is not None:
-    raise ValueError(
+    raise errors.InvalidArgumentError(
         "remat_model: with budget= the planner chooses what to "
         "rematerialize and under which policy; leave mode, policy and "
         "layer_names unset (name the policies it may use with policies=).")
   policy_names = chain_lib.planned_policies(policy_names)
   budget = planner.Budget.parse(budget)
   if sample_input is None:
-    raise ValueError("remat_model: budget needs sample_input, a batch like "
+    raise errors.InvalidArgumentError("remat_model: budget needs sample_input, a batch like "
                      "those the model trains on.")
   parts = _ModelChain.of(model)
   if isinstance(parts, int):
-    raise ValueError(
+    raise errors.InvalidArgumentError(
         f"remat_model: {model.name} has {parts} part(s) between "
         "tensors that every path from its inputs to its outputs passes "
         "through, so there is nothing for a budget to choose between. Give "

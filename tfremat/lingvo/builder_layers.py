@@ -10,8 +10,9 @@ return a tuple of tensors, or the tensor itself when there is one
 import keras
 import tensorflow as tf
 
-from tfremat import hyperparams
-from tfremat import step_seed
+from tfremat import errors
+from tfremat._src import hyperparams
+from tfremat._src import step_seed
 
 __all__ = [
     "BaseLayer",
@@ -58,7 +59,7 @@ class BaseLayer(keras.layers.Layer):
     self.built = True  # Weights are created in __init__, from the params.
 
   def get_config(self):
-    raise NotImplementedError(
+    raise errors.UnsupportedError(
         f"{type(self).__name__} is built from Params; save its weights "
         "(save_weights) and rebuild it from its Params (p.ToText() / "
         "p.FromText()) rather than with get_config.")
@@ -307,7 +308,7 @@ class MultiHeadAttentionLayer(BaseLayer):
   def __init__(self, params):
     super().__init__(params)
     if params.input_dims % params.num_heads:
-      raise ValueError(
+      raise errors.InvalidArgumentError(
           f"MultiHeadAttentionLayer {params.name}: input_dims "
           f"{params.input_dims} is not divisible by num_heads "
           f"{params.num_heads}.")

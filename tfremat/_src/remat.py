@@ -44,6 +44,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import threading
 
 import numpy as np
 import tensorflow as tf
@@ -56,17 +57,19 @@ from tensorflow.python.eager import record
 from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops import gen_resource_variable_ops
 
+from tfremat import errors
 from tfremat import policies
-from tfremat import selective
-from tfremat import state
-from tfremat import step_seed
-from tfremat import watch
+from tfremat._src import selective
+from tfremat._src import state
+from tfremat._src import step_seed
+from tfremat._src import watch
 
 __all__ = [
     "RematerializeFn",
     "rematerialize",
     "RerunMismatchError",
     "rematerialize_with_losses",
+    "debug_reruns",
     "DETERMINISM_CHECKS",
 ]
 
@@ -86,10 +89,33 @@ autograph_config.CONVERSION_RULES = (
 _observers = []
 
 
-class RerunMismatchError(ValueError):
-  """The backward-pass rerun did not compute what the forward pass did."""
+RerunMismatchError = errors.RerunMismatchError
 
-  __init__ = Exception.__init__  # See UnreplayableOpError.
+
+
+_debug_state = threading.local()
+
+
+def _debugging():
+  return getattr(_debug_state, "on", False)
+
+
+@contextlib.contextmanager
+def debug_reruns(enabled=True):
+  """Calls made inside get `debug=enabled` unless they set it themselves.
+
+  For models whose rematerialized calls you do not make yourself
+  (`RematerializationLayer`, `remat_model`, `remat_sequential`): trace or
+  run the training step inside it, and a `RerunMismatchError` shows both
+  passes' whole op sequences with the line of code behind each op. It holds
+  for the thread it is entered in.
+  """
+  saved = _debugging()
+  _debug_state.on = bool(enabled)
+  try:
+    yield
+  finally:
+    _debug_state.on = saved
 
 
 def _is_differentiable(t):
@@ -105,6 +131,7 @@ class _ForwardContext:
     self._call_context = copy.copy(call_context)
     self._autocast = global_state.get_global_attribute("autocast_scope")
     self._autograph = ag_ctx.control_status_ctx()
+    self._saved = None  # The attributes replaced while it is entered.
 
   def convert(self, fn):
     """`fn` with the forward pass's AutoGraph conversion, for both passes.
@@ -197,7 +224,8 @@ def _mark_connected(y, index, connected):
   return mark(y)
 
 
-def RematerializeFn(fn, *xs, determinism_check="default", policy=None):
+def RematerializeFn(fn, *xs, determinism_check="default", policy=None,
+                    debug=None):
   """Returns `fn(*xs)`, recomputing its activations in the backward pass.
 
   Args:
@@ -226,17 +254,23 @@ def RematerializeFn(fn, *xs, determinism_check="default", policy=None):
       `tfremat.policies.Op`. None keeps nothing but the inputs (or follows
       an enclosing `tfremat.policies.scope`). Policies act
       in graphs (`tf.function`, XLA); an eager call recomputes everything.
+    debug: when the rerun runs other ops than the forward pass, show both
+      passes' whole op sequences in the `RerunMismatchError`, each op with
+      its name and the line of your code that made it, instead of the few
+      ops around the first difference. It costs a stack walk per op while
+      the forward pass and the rerun are run or traced. None follows
+      `tfremat.debug_reruns()`.
 
   Returns:
     What `fn(*xs)` returns.
   """
   if not callable(fn):
-    raise TypeError(
+    raise errors.InvalidTypeError(
         f"RematerializeFn expects a callable as its first argument, got "
         f"{type(fn).__name__}. Usage: RematerializeFn(fn, *inputs).")
   # The default on_losses refuses losses, so none come back here.
   outputs, _ = rematerialize_with_losses(
-      fn, xs, determinism_check=determinism_check, policy=policy)
+      fn, xs, determinism_check=determinism_check, policy=policy, debug=debug)
   return outputs
 
 
@@ -250,7 +284,8 @@ def _refuse_losses(losses):
 
 
 def rematerialize_with_losses(fn, xs, on_losses=_refuse_losses,
-                              determinism_check="default", policy=None):
+                              determinism_check="default", policy=None,
+                              debug=None):
   """`RematerializeFn(fn, *xs)` that also returns the losses `fn` added.
 
   Returns `(outputs, losses)`, where `losses` pairs each loss tensor that `fn`
@@ -262,7 +297,7 @@ def rematerialize_with_losses(fn, xs, on_losses=_refuse_losses,
   """
   policy = policies.get(policy if policy is not None else policies.current())
   if determinism_check not in DETERMINISM_CHECKS:
-    raise ValueError(
+    raise errors.InvalidArgumentError(
         f"determinism_check must be one of {DETERMINISM_CHECKS}, got "
         f"{determinism_check!r}.")
   if _in_keras_symbolic_call():
@@ -273,11 +308,12 @@ def rematerialize_with_losses(fn, xs, on_losses=_refuse_losses,
   if (determinism_check == "values" and not tf.executing_eagerly() and
       control_flow_util.GraphOrParentsInXlaContext(
           tf.compat.v1.get_default_graph())):
-    raise ValueError(
+    raise errors.InvalidArgumentError(
         "determinism_check='values' cannot run under XLA (jit_compile), which "
         "drops assertions. Check values with the same step run eagerly or in "
         "a tf.function without jit_compile.")
-  return _forward(fn, xs, determinism_check, policy, on_losses)
+  debug = _debugging() if debug is None else bool(debug)
+  return _forward(fn, xs, determinism_check, policy, on_losses, debug)
 
 
 def _in_keras_symbolic_call():
@@ -328,6 +364,7 @@ class _Forward:
   # ops: the op types are not compared then (invariant 9).
   inner_tape: bool
   op_types: tuple
+  op_details: object  # Under debug, each counted op described; else None.
   # The outputs' structure alone: holding the outputs would keep them alive
   # until the backward pass.
   structure: object
@@ -354,7 +391,7 @@ class _ForwardRun(collections.namedtuple(
   """The results of running a function's forward pass (`_run_forward`)."""
 
 
-def _forward(fn, xs, determinism_check, policy, on_losses):
+def _forward(fn, xs, determinism_check, policy, on_losses, debug):
   """Runs a rematerialized call's forward pass and attaches its rerun."""
   fill = _announce()
   context = _ForwardContext()
@@ -373,7 +410,7 @@ def _forward(fn, xs, determinism_check, policy, on_losses):
   global_step = (step_seed.GetGlobalStep()
                  if step_seed.HasGlobalStep() else None)
   run = _run_forward(functools.partial(_apply, fn, xs), context, leaves,
-                     policy, seed)
+                     policy, seed, debug)
   flat = tf.nest.flatten(run.outputs)
   attached = tuple(i for i, y in enumerate(flat)
                    if isinstance(y, tf.Tensor) and _is_differentiable(y))
@@ -385,6 +422,8 @@ def _forward(fn, xs, determinism_check, policy, on_losses):
       determinism_check=determinism_check, seed=seed,
       global_step=global_step, inner_tape=run.ops.inner_tape_used,
       op_types=tuple(run.ops.op_types),
+      op_details=(None if run.ops.op_details is None
+                  else tuple(run.ops.op_details)),
       structure=tf.nest.map_structure(lambda _: None, run.outputs),
       attached=attached,
       specs=tuple((flat[i].dtype, flat[i].shape) for i in attached),
@@ -403,7 +442,7 @@ def _forward(fn, xs, determinism_check, policy, on_losses):
   return _attach(forward, run)
 
 
-def _run_forward(call, context, leaves, policy, seed):
+def _run_forward(call, context, leaves, policy, seed, debug):
   """Runs the forward pass, keeping nothing for the backward pass.
 
   Layers built on this call create their variables inside the recording
@@ -415,7 +454,8 @@ def _run_forward(call, context, leaves, policy, seed):
   for _ in range(2):
     with record.stop_recording(), context:
       with record.VariableWatcher() as watcher:
-        with state.RecordingScope() as scope, state.ForwardOps(inputs) as ops:
+        with state.RecordingScope() as scope, state.ForwardOps(
+            inputs, debug) as ops:
           with _saving(policy, inputs) as saver:
             outputs = call(leaves)
     if not scope.created_variables:
@@ -429,7 +469,7 @@ def _run_forward(call, context, leaves, policy, seed):
       return _ForwardRun(outputs, state.ForwardState(scope, ops), ops,
                          watched, saver)
     step_seed.ResetStepSeed(seed)
-  raise RuntimeError(
+  raise errors.UnsupportedError(
       "RematerializeFn: the function keeps creating variables on every "
       "call. Create layers and variables once, outside the function, and "
       "call them inside it.")
@@ -708,37 +748,42 @@ class _GraphRerun:
 
 
 def _rerun(forward, leaves, keras_values, seed, global_step):
-  """Runs `fn` again; returns its outputs, losses and op types."""
+  """Runs `fn` again; returns its outputs, losses and the ops it ran
+  (`state.OpTypes`)."""
+  debug = forward.op_details is not None
   with forward.context, step_seed.replaying(seed, global_step):
     with state.replaying(forward.keras_variables, keras_values) as losses:
-      with state.OpTypes() as ran:
+      with state.OpTypes(debug) as ran:
         outputs = forward.call(leaves)
-  return outputs, losses, ran.op_types
+  return outputs, losses, ran
 
 
-def _checked_targets(forward, outputs, losses, op_types, dys):
+def _checked_targets(forward, outputs, losses, ran, dys):
   """The rerun's differentiable outputs paired with their gradients."""
   flat = tf.nest.flatten(outputs)
   if forward.determinism_check != "none":
-    _check_rerun(forward, outputs, flat, losses, op_types)
+    _check_rerun(forward, outputs, flat, losses, ran)
   ys = [flat[i] for i in forward.attached] + list(losses)
   pairs = [(y, dy) for y, dy in zip(ys, dys) if dy is not None]
   return [y for y, _ in pairs], [dy for _, dy in pairs]
 
 
-def _check_rerun(forward, outputs, flat, losses, op_types):
+def _check_rerun(forward, outputs, flat, losses, ran):
   """Raises `RerunMismatchError` where the rerun parts from the forward pass."""
   problem = _output_difference(forward, outputs, flat, losses)
   if (problem is None and not forward.inner_tape and
-      list(op_types) != list(forward.op_types)):
-    problem = _describe_op_difference(forward.op_types, op_types)
+      list(ran.op_types) != list(forward.op_types)):
+    problem = _describe_op_difference(forward.op_types, ran.op_types,
+                                      forward.op_details, ran.details)
   if problem is not None:
+    summary, _, table = problem.partition("\n")
     raise RerunMismatchError(
         f"The backward-pass rerun of a rematerialized function returned "
-        f"{problem}. The function must compute the same thing every time "
+        f"{summary}. The function must compute the same thing every time "
         "it is called with the same inputs, state and seeds (no Python-side "
         "randomness, counters or caches deciding what it computes); "
-        "otherwise its gradients would be silently wrong.")
+        "otherwise its gradients would be silently wrong." +
+        (f"\n{table}" if table else ""))
 
 
 def _output_difference(forward, outputs, flat, losses):
@@ -766,21 +811,33 @@ def _output_difference(forward, outputs, flat, losses):
   return None
 
 
-def _describe_op_difference(forward, rerun, context=3):
-  """Where two op type sequences part, side by side."""
+def _describe_op_difference(forward, rerun, forward_details=None,
+                            rerun_details=None, context=3):
+  """Where two op type sequences part, side by side: the few ops around the
+  first difference, or, given each op's details (debug), all of them."""
   first = next((i for i, (a, b) in enumerate(zip(forward, rerun)) if a != b),
                min(len(forward), len(rerun)))
-  lines = []
-  for i in range(max(0, first - context),
-                 min(max(len(forward), len(rerun)), first + context + 1)):
+  debug = forward_details is not None and rerun_details is not None
+  if debug:
+    forward, rerun, shown = forward_details, rerun_details, range(
+        max(len(forward), len(rerun)))
+  else:
+    shown = range(max(0, first - context),
+                  min(max(len(forward), len(rerun)), first + context + 1))
+  width = max([len(a) for a in forward] + [30])
+  lines = [f"  {'op':>5s}  {'forward':{width}s} rerun"]
+  for i in shown:
     a = forward[i] if i < len(forward) else "-"
     b = rerun[i] if i < len(rerun) else "-"
     mark = "   <--- the first difference" if i == first else ""
-    lines.append(f"  {i:5d}  {a:30s} {b}{mark}")
+    lines.append(f"  {i:5d}  {a:{width}s} {b}{mark}")
+  hint = ("" if debug else "; pass debug=True (or run under "
+          "tfremat.debug_reruns()) to see every op and the line that made "
+          "it")
   return (f"after running other ops than the forward pass: {len(rerun)} "
           f"op(s) where the forward pass ran {len(forward)} (Placeholder, "
-          "Const, Identity, Cast and variable reads not counted); op number, "
-          "forward, rerun:\n" + "\n".join(lines) + "\n")
+          "Const, Identity, Cast and variable reads not counted; the ops "
+          "are listed below" + hint + ")\n" + "\n".join(lines))
 
 
 def _compare_values(index, rerun, forward):
@@ -959,7 +1016,7 @@ class _forward_reads(watch.Handler):  # pylint: disable=invalid-name
       super().__exit__(*args)
 
 
-def rematerialize(fn=None, *, policy=None):
+def rematerialize(fn=None, *, policy=None, debug=None):
   """Decorator form of `RematerializeFn`.
 
   Arguments are passed as they are: tensors, positional or keyword, are
@@ -980,14 +1037,14 @@ def rematerialize(fn=None, *, policy=None):
   """
   if fn is None:
     policies.get(policy)  # A bad policy is refused here, not at the call.
-    return functools.partial(rematerialize, policy=policy)
+    return functools.partial(rematerialize, policy=policy, debug=debug)
   if not callable(fn):
-    raise TypeError(
+    raise errors.InvalidTypeError(
         f"rematerialize expects a callable, got {type(fn).__name__}.")
 
   @functools.wraps(fn)
   def wrapper(*args, **kwargs):
     return RematerializeFn(lambda a, k: fn(*a, **k), args, kwargs,
-                           policy=policy)
+                           policy=policy, debug=debug)
 
   return wrapper

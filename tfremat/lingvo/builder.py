@@ -22,13 +22,14 @@ gradients.
 import dataclasses
 import inspect
 
-from tfremat import builder_layers
-from tfremat import hyperparams
 from tfremat import chain as chain_lib
+from tfremat import errors
 from tfremat import planner
 from tfremat import policies as policies_lib
+from tfremat._src.layers import RematerializationLayer
 from tfremat.chain import checked_plan
-from tfremat.layers import RematerializationLayer
+from tfremat.lingvo import builder_layers
+from tfremat.lingvo import hyperparams
 
 __all__ = [
     "Base",
@@ -121,7 +122,7 @@ class Base:
         choose per segment, as in `tfremat.remat_sequential`.
     """
     if (segments is None) == (budget is None):
-      raise ValueError(
+      raise errors.InvalidArgumentError(
           "_RematerializeSeq: give either segments (an int or \"sqrt\") or "
           "budget with sample_input, not both or neither.")
     if segments is not None:
@@ -130,13 +131,13 @@ class Base:
       policies_lib.get(policy)
     else:
       if policy is not None:
-        raise ValueError(
+        raise errors.InvalidArgumentError(
             "_RematerializeSeq: with a budget the planner chooses each "
             "segment's policy; name the choices with policies=[...].")
       policies = chain_lib.planned_policies(policies)
       budget = planner.Budget.parse(budget)  # Before instantiating anything.
       if sample_input is None:
-        raise ValueError("_RematerializeSeq: budget needs sample_input, a "
+        raise errors.InvalidArgumentError("_RematerializeSeq: budget needs sample_input, a "
                          "batch to measure the sub-layers on.")
       chosen = checked_plan([p.Instantiate() for p in subs], budget,
                             sample_input, policies=policies).segments

@@ -18,11 +18,12 @@ import keras
 from keras.src.backend.common import global_state
 from keras.src.backend.common import remat as keras_remat
 
+from tfremat import errors
 from tfremat import measure
 from tfremat import planner
 from tfremat import policies
-from tfremat import remat
-from tfremat.layers import refuse_keras2
+from tfremat._src import remat
+from tfremat._src.layers import refuse_keras2
 
 __all__ = [
     "remat_in_place",
@@ -48,7 +49,7 @@ def _layers(layers, caller):
     refuse_keras2(layer, caller)
     if (not isinstance(layer, keras.layers.Layer) or
         isinstance(layer, keras.layers.InputLayer)):
-      raise TypeError(
+      raise errors.InvalidTypeError(
           f"{caller} takes Keras layers (or a list of them), such as a "
           "KerasHub backbone's `transformer_layers`; got "
           f"{type(layer).__name__}: {layer!r}.")
@@ -93,7 +94,7 @@ def remat_in_place(layers, policy=None):
   if policy is not None:
     policies.get(policy)
   if _hook_missing():
-    raise RuntimeError(
+    raise errors.UnsupportedError(
         f"remat_in_place needs Keras's layer rematerialization hook "
         f"(Layer.rematerialized_call, Keras 3.9 and later); this is Keras "
         f"{keras.__version__}. Upgrade Keras, or use tfremat.remat_model.")
@@ -226,7 +227,7 @@ def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
   if policy is not None:
     policies.get(policy)
   if getattr(model, "optimizer", None) is None:
-    raise ValueError(
+    raise errors.InvalidArgumentError(
         "remat_in_place_for_budget measures model.train_on_batch: compile "
         "the model first (model.compile(optimizer=..., loss=...)).")
   state = _state(model)
@@ -266,7 +267,7 @@ def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
   finally:
     undo_remat_in_place(layers)
   if found[chosen].bound_bytes > budget_bytes:
-    raise ValueError(
+    raise errors.InvalidArgumentError(
         f"remat_in_place_for_budget: with all {len(layers)} layer(s) "
         "rematerialized the training step's bound is "
         f"{measure.format_bytes(found[chosen].bound_bytes)}, "

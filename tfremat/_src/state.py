@@ -14,7 +14,9 @@ stateful random ops and direct writes to `tf.Variable`s (`ForwardOps`).
 """
 
 import contextlib
+import os
 import threading
+import traceback
 
 import keras
 import tensorflow as tf
@@ -26,8 +28,9 @@ from tensorflow.python.framework import ops
 from tensorflow.python.ops import gen_resource_variable_ops
 from tensorflow.python.ops import resource_variable_ops
 
-from tfremat import selective
-from tfremat import watch
+from tfremat import errors
+from tfremat._src import selective
+from tfremat._src import watch
 
 __all__ = [
     "UnreplayableOpError",
@@ -83,13 +86,7 @@ _VARIABLE_FIX = (
     "make the update outside the rematerialized function.")
 
 
-class UnreplayableOpError(ValueError):
-  """The rematerialized function uses an op whose effect cannot be replayed."""
-
-  # tf.function's AutoGraph re-raises an error from user code with its own
-  # type only when the type takes a plain message (Exception.__init__);
-  # otherwise the caller sees a StagingError instead of this class.
-  __init__ = Exception.__init__
+UnreplayableOpError = errors.UnreplayableOpError
 
 
 def _is_variable_write(op_type):
@@ -170,21 +167,65 @@ class OpTypes(watch.Handler):
   keras.Sequential traces its layers in a scratch graph on its first call,
   and a tf.function traces on its first call (and, under a tape, traces a
   forward variant); the call and control-flow ops that run them do count.
+
+  With `debug`, `details` also describes each counted op: its type, its name
+  in a graph, and the line of the caller's code that made it.
   """
 
-  def __init__(self):
+  def __init__(self, debug=False):
     self.op_types = []
+    self.details = [] if debug else None
     self._graph = None
 
   def on_op(self, op_type, inputs, outputs, op_name, graph):
     counted = counted_op_type(op_type)
     if counted is not None and graph is self._graph:
       self.op_types.append(counted)
+      if self.details is not None:
+        name = f" '{op_name}'" if op_name else ""
+        self.details.append(f"{counted}{name} at {_callers_line()}")
     return outputs
 
   def __enter__(self):
     self._graph = _running_graph()
     return super().__enter__()
+
+
+def _library_folders():
+  folders = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+  folders += [os.path.dirname(os.path.abspath(m.__file__)) for m in (tf, keras)]
+  return tuple(folder + os.sep for folder in folders)
+
+
+def _callers_line():
+  """"file.py:line" of the innermost frame outside tfremat, TensorFlow and
+  Keras: the code that made the op being watched. A line of code AutoGraph
+  converted is given as the line it was converted from."""
+  libraries = _library_folders()
+  for frame in reversed(traceback.extract_stack()):
+    filename, lineno = frame.filename, frame.lineno
+    if "__autograph_generated_file" in filename:
+      filename, lineno = _autograph_origin(filename, lineno)
+    if not os.path.abspath(filename).startswith(libraries):
+      return f"{os.path.basename(filename)}:{lineno}"
+  return "?"
+
+
+def _autograph_origin(filename, lineno):
+  """The source line AutoGraph converted into a generated file's line."""
+  try:
+    from tensorflow.python.autograph.impl import api  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+    from tensorflow.python.autograph.pyct import origin_info  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+    for factories in list(api._TRANSPILER._cache._cache.values()):  # pylint: disable=protected-access
+      for factory in list(factories.values()):
+        if getattr(factory.module, "__file__", None) == filename:
+          origin = factory.source_map.get(
+              origin_info.LineLocation(filename, lineno))
+          if origin is not None:
+            return origin.loc.filename, origin.loc.lineno
+  except (AttributeError, ImportError):  # Another TensorFlow's internals.
+    pass
+  return filename, lineno
 
 
 _READS = frozenset(["ReadVariableOp", "ResourceGather"])
@@ -378,8 +419,8 @@ class ForwardOps:
   record the block's ops (`_TapesAside`).
   """
 
-  def __init__(self, inputs):
-    self._types = OpTypes()
+  def __init__(self, inputs, debug=False):
+    self._types = OpTypes(debug)
     self._closures = _Closures(inputs)
     self._reads = _FirstReads(self._closures)
     self._handlers = [_Refuser(), self._types, self._closures, self._reads]
@@ -388,6 +429,11 @@ class ForwardOps:
   @property
   def op_types(self):
     return self._types.op_types
+
+  @property
+  def op_details(self):
+    """Each counted op described, under `debug`; else None."""
+    return self._types.details
 
   @property
   def inner_tape_used(self):
@@ -578,6 +624,9 @@ class RecordingScope(_NestedScope):
     self.touched = {}  # id -> (variable, enclosing scope's value or None).
     self.updated = {}  # id -> variable, in first-assignment order.
     self._uninitialized_at_entry = 0
+    # Whether the scope's body created variables (Keras initializes them on
+    # exit): set on exit.
+    self.created_variables = False
 
   def __enter__(self):
     self._uninitialized_at_entry = _num_uninitialized()
