@@ -45,11 +45,15 @@ def _chain(name):
 
 
 @pytest.mark.slow
-# The lowest fractions that plan here, allocator margin included: 55% on
-# residual_mlp, 31% on bench_mlp (its every-block plan peaks at 21%).
+# The lowest bounds measured here, allocator margin included: 47% of the
+# keep-everything peak on residual_mlp idle and 52% beside a CPU-bound
+# process, 30% on bench_mlp (its every-block plan peaks at 20%). Fractions
+# that close to the floor are refused in a loaded process, so those tested
+# keep some room.
 @pytest.mark.parametrize("name, fraction", [
-    ("mlp", 0.5), ("mlp", 0.8), ("residual_mlp", 0.6), ("residual_mlp", 0.8),
-    ("bench_mlp", 0.4), ("bench_mlp", 0.8)])
+    ("mlp", 0.5), ("mlp", 0.8), ("residual_mlp", 0.6),
+    ("residual_mlp", 0.8), ("bench_mlp", 0.4), ("bench_mlp", 0.5),
+    ("bench_mlp", 0.8)])
 def test_budget_holds_on_100_later_steps_in_a_new_process(
     name, fraction, tmp_path):
   blocks, x = _chain(name)

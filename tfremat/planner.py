@@ -503,7 +503,7 @@ class Plan:
 
   def _layer_rows(self):
     mib = measure.format_bytes
-    rows = [f"{'layer':<24}{'decision':<30}{'stored':>11}{'output':>11}"
+    rows = [f"{'layer':<24}{'decision':<36}{'stored':>11}{'output':>11}"
             f"{'fwd ms':>9}{'wait ms':>9}"]
     for k, seg in enumerate(self.segments):
       for i in range(seg.start, seg.stop):
@@ -517,7 +517,7 @@ class Plan:
             what += (f", keeps {keeps}" if keeps else
                      f", {short_policy_name(seg.policy)}")
           stored = c.kept_bytes(seg.policy)
-        rows.append(f"{c.name[:23]:<24}{what:<30}{mib(stored):>11}"
+        rows.append(f"{c.name[:23]:<24}{what:<36}{mib(stored):>11}"
                     f"{mib(c.output_bytes):>11}"
                     f"{1000 * c.forward_seconds:>9.2f}"
                     f"{1000 * c.waiting_recompute_seconds:>9.2f}")
