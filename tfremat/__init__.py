@@ -11,7 +11,6 @@ import sys
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 
-
 def _own_program():
   """Whether Python is running tfremat's benchmark or one of its examples,
   without --verbosity.

@@ -35,8 +35,8 @@ those without rematerialization. "As the forward pass ran it" means:
   the arguments.
 
 Each input, closure capture and variable gets its partial derivative: the
-gradient computation outside the call adds the paths between them (README,
-"partial derivatives").
+gradient computation outside the call adds the paths between them
+(docs/design.md, invariant 8).
 """
 
 import collections
@@ -90,7 +90,6 @@ _observers = []
 
 
 RerunMismatchError = errors.RerunMismatchError
-
 
 
 _debug_state = threading.local()

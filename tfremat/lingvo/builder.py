@@ -182,7 +182,6 @@ class Base:
                        causal=causal, random_seed=self.params.random_seed)
 
 
-
 def _HelperIndex(cls):
   """One line per helper of `cls`: its signature and its docstring's first
   line. pydoc, and so help(), hides underscore names; the index puts them in
