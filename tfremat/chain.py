@@ -143,8 +143,8 @@ class RematSequential(keras.layers.Layer):
     ordered: in a `tf.function` (not XLA), run the chain's forward and
       backward ops in the order they are built (`_ordered`), so that a
       step's peak varies less from call to call within a process. It costs
-      step time, as independent ops no longer overlap: 20-30% on the
-      benchmark's transformer blocks on a 2-core CPU (docs/benchmarks.md).
+      step time, as independent ops no longer overlap (docs/benchmarks.md,
+      "Measurements behind the defaults").
       False (the default) lets the executor's threads overlap them. Chains
       the planner chose for a budget are ordered, as it measured them.
   """
@@ -205,8 +205,8 @@ class RematSequential(keras.layers.Layer):
     """The chain in a graph, its forward and backward ops run in one order.
 
     The graph executor runs independent ops in whatever order its threads
-    reach them, so a step's peak memory moved from call to call (by 2-9% of
-    the keep-everything peak on the tests' MLP chain). Here every op of the
+    reach them, so a step's peak memory moves from call to call. Here every
+    op of the
     chain's forward pass waits for the one built before it (`_OpOrder`), and
     so does every op of its backward pass, which is built here by
     `tf.gradients` (rematerialized segments' reruns included): one schedule
@@ -530,9 +530,8 @@ def _extra_peak_bytes(more, less, x):
   """How far `more(x)`'s peak exceeds `less(x)`'s.
 
   The median, over `measure.PEAK_CALLS` pairs of calls, of the difference
-  of the two calls' peaks. A difference of two maxima over calls was far
-  noisier: for one two-layer block it ranged over 0.5x-2.1x of the tensor
-  it estimates, this median over 1.0x-1.25x.
+  of the two calls' peaks: a difference of two maxima over calls is far
+  noisier (docs/benchmarks.md, "Measurements behind the defaults").
   """
   more(x)  # Trace outside the measurement.
   less(x)
@@ -658,9 +657,9 @@ def _kinds_kept(residuals_kept):
 
 # Planned chains run ordered (`RematSequential(..., ordered=True)`), as they
 # are measured: a budget is a promise about later steps, and in a loaded
-# process unordered steps of the tests' MLP peaked above plans' bounds (1 of
-# 100 steps, 6.7% over) where ordered ones had not. Chains without a budget
-# run unordered, which is faster.
+# process unordered steps peaked above plans' bounds where ordered ones had
+# not (docs/benchmarks.md, "Measurements behind the defaults"). Chains
+# without a budget run unordered, which is faster.
 PLANNED_ORDER = True
 
 # A plan's measured bound (`planner.Measured`) comes from this many calls of
@@ -737,9 +736,9 @@ def measure_chain(layers, sample_input, repeats=5, progress=None,
 
   Then measures what long rematerialized segments cost beyond their layers'
   forward times. Recomputing a segment of k layers and then running its
-  backward pass took longer than doing the same for k one-layer segments (on
-  the benchmark's models on a 2-core CPU machine: 3-6% of the whole step for
-  one segment over the chain), presumably because each layer's recomputed
+  backward pass takes longer than doing the same for k one-layer segments
+  (docs/benchmarks.md, "Measurements behind the defaults"), presumably
+  because each layer's recomputed
   tensors are no longer fresh in cache when its backward pass reads them. So
   the chain's first `WAITING_PROBE_LAYERS` layers are timed both ways,
   `repeats` times round-robin, and the difference, as a fraction of the

@@ -38,10 +38,10 @@ __all__ = [
     "PEAK_CALLS",
 ]
 
-# The peak of one traced step varies from call to call (by up to 10% on a
-# 2-core CPU machine: the executor's threads order independent ops
-# differently; on the benchmark's MLP, 97-107 MiB over 18 calls of one
-# step), so `peak_bytes` takes the largest over this many calls by default.
+# The peak of one traced step varies from call to call (the executor's
+# threads order independent ops differently; docs/benchmarks.md,
+# "Measurements behind the defaults"), so `peak_bytes` takes the largest
+# over this many calls by default.
 PEAK_CALLS = 5
 
 
@@ -169,7 +169,7 @@ def median_seconds(fns, *args, repeats=5):
 
   Each round calls every fn once, in a shuffled order: drift in the
   machine's speed then touches all alike (timed one after another, two
-  functions doing the same work differed by 6%), and no fn always follows
+  functions doing the same work differ), and no fn always follows
   the same one (and inherits, say, its allocator state). Each fn is called
   once untimed first, to trace it.
   """

@@ -97,11 +97,11 @@ class Measured:
 
 
 # The allocator margin of every plan's bound, as a fraction of the measured
-# peak of keeping everything (`Measured`). On this project's test chain (ten
-# residual MLP blocks, CPU), one plan that peaked at 24.4 MiB in the planning
-# process peaked at 25.1-29.8 MiB in fresh processes that loaded it: up to 9%
-# of keeping everything's 54 MiB. Set it to 0 to plan on this process's
-# measurements alone.
+# peak of keeping everything (`Measured`): what one plan's peak moved by
+# between the process that planned it and fresh processes that loaded it
+# (docs/design.md, "Budgets that hold"; the figures are in
+# docs/benchmarks.md, "Measurements behind the defaults"). Set it to 0 to
+# plan on this process's measurements alone.
 ALLOCATOR_MARGIN = 0.1
 
 
@@ -579,18 +579,18 @@ stored: what the layer stores for the backward pass under this decision,
 # A faster plan is measured (`calibrated_plan`) only if the cost model
 # predicts it at least this fraction of keeping everything's step time faster
 # than the fastest plan already measured within the budget: each measurement
-# traces and runs a training step of the whole chain (about 9 s for the
-# benchmark's transformer on a 2-core CPU), and the per-layer timings the
-# model adds up move by more than this between planning runs.
+# traces and runs a training step of the whole chain (seconds, on the
+# benchmark's models), and the per-layer timings the model adds up move by
+# more than this between planning runs.
 FASTER_BY = 0.03
 
 
 def calibrated_plan(costs, budget, measured_peak, rounds=4):
   """The plan for `budget`, chosen on measured peaks, not on the model alone.
 
-  The cost model's peaks are estimates: on the benchmark's models they were
-  8-14% above (residual MLP blocks) and from 4% below to 5% above
-  (transformer blocks) the measured ones. A model that is too high costs
+  The cost model's peaks are estimates, above the measured ones on some
+  chains and below on others (docs/benchmarks.md, "Measurements behind the
+  defaults"). A model that is too high costs
   time (more is rematerialized than needed); one that is too low breaks the
   budget. So:
 

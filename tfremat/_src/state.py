@@ -676,8 +676,8 @@ class ForwardState:
     # call's gradient to `before`; the rerun reads the forward pass's own
     # read where there is one (`values`, see `ForwardOps`), the same value.
     # A trainable variable's forward read is `before` too: `record_reads`
-    # had the tapes record it (a read of its own per variable made a CNN's
-    # trace 15% slower). Others are read here, where tapes record.
+    # had the tapes record it (a read of its own per variable slowed a CNN's
+    # trace). Others are read here, where tapes record.
     self.before, self.values = [], []
     for v, outer in touched:
       read = None if outer is not None else ops.first_read(v)
