@@ -18,12 +18,16 @@ from conftest import DEVICE_MODES, assert_parity, assert_trees_close
 from conftest import random_costs
 
 
-def test_measure_chain_spreads_the_waiting_cost_by_forward_time():
+@pytest.mark.parametrize("timed", [False, True], ids=["modelled", "timed"])
+def test_measure_chain_spreads_the_waiting_cost_by_forward_time(timed):
   blocks = models.residual_mlp(3, 64, dropout=0.0, residual_inside=True)
   x = tf.random.stateless_normal([1024, 64], seed=[1, 4])
-  costs = chain.measure_chain(blocks, x, repeats=3)
-  ratios = {c.waiting_recompute_seconds / c.forward_seconds for c in costs}
-  assert len({round(r, 12) for r in ratios}) == 1 and min(ratios) >= 0, costs
+  costs = chain.measure_chain(blocks, x, repeats=3, measure_waiting=timed)
+  ratios = {round(c.waiting_recompute_seconds / c.forward_seconds, 12)
+            for c in costs}
+  assert len(ratios) == 1 and min(ratios) >= 0, costs
+  if not timed:  # The model's constant: no timing, the same in every run.
+    assert ratios == {round(chain.WAITING_FRACTION, 12)}
 
 def test_measure_layer_counts_bytes_exactly():
   keras.utils.set_random_seed(0)

@@ -43,6 +43,7 @@ __all__ = [
     "measure_chain",
     "PLANNED_ORDER",
     "CHECK_CALLS",
+    "WAITING_FRACTION",
     "WAITING_PROBE_LAYERS",
 ]
 
@@ -458,7 +459,7 @@ def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
   """
   layers = _chain_layers(layers, "checked_plan")
   budget = planner.Budget.parse(budget)
-  steps = (len(layers) + (len(layers) > 1) if costs is None else 0) + 1
+  steps = (len(layers) if costs is None else 0) + 1
   progress = measure.progress_bar(steps + rounds, "measurement", verbose)
 
   def measured_peak(segments):
@@ -720,13 +721,22 @@ def structure_key(layer, x, policies=()):
           weights, inputs, tuple(policies))
 
 
-# Rematerialized segments' extra cost for waiting recomputes is timed on at
-# most this many of the chain's first layers (`measure_chain`).
+# What a layer's recompute costs beyond its forward time when it is not the
+# last layer of a rematerialized segment (`LayerCost.waiting_recompute_seconds`),
+# as a fraction of its forward time. A model's constant by default: timing
+# it on each chain took about as long as measuring a layer, and repeated
+# timings of one chain moved by more than the effect itself, so the plan
+# changed from run to run (docs/benchmarks.md, "Measurements behind the
+# defaults"). `measure_chain(..., measure_waiting=True)` times it instead.
+WAITING_FRACTION = 0.2
+
+# With `measure_waiting=True`, the waiting cost is timed on at most this many
+# of the chain's first layers (`measure_chain`).
 WAITING_PROBE_LAYERS = 4
 
 
 def measure_chain(layers, sample_input, repeats=5, progress=None,
-                  policies=()):
+                  policies=(), measure_waiting=False):
   """Measures each layer of a chain in turn; returns a list of LayerCost.
 
   Structurally identical layers (`structure_key`) are measured once: the
@@ -734,20 +744,20 @@ def measure_chain(layers, sample_input, repeats=5, progress=None,
   sees them as equal (noise cannot rank equals) and a chain of many repeated
   blocks plans in about the time of its distinct ones.
 
-  Then measures what long rematerialized segments cost beyond their layers'
-  forward times. Recomputing a segment of k layers and then running its
-  backward pass takes longer than doing the same for k one-layer segments
-  (docs/benchmarks.md, "Measurements behind the defaults"), presumably
-  because each layer's recomputed
-  tensors are no longer fresh in cache when its backward pass reads them. So
-  the chain's first `WAITING_PROBE_LAYERS` layers are timed both ways,
+  Long rematerialized segments cost more than their layers' forward times:
+  recomputing a segment of k layers and then running its backward pass
+  takes longer than doing the same for k one-layer segments, presumably
+  because each layer's recomputed tensors are no longer fresh in cache when
+  its backward pass reads them. Each layer's `waiting_recompute_seconds` is
+  `WAITING_FRACTION` of its forward time; with `measure_waiting`, the
+  chain's first `WAITING_PROBE_LAYERS` layers are instead timed both ways,
   `repeats` times round-robin, and the difference, as a fraction of the
   forward time of the layers that waited, is spread over every layer in
-  proportion to its forward time, as `waiting_recompute_seconds`.
+  proportion to its forward time.
 
-  `progress`, a Keras Progbar if given, advances by one per layer and one for
-  the chain's timing. `policies` are built-in save policies' names to
-  measure each layer under (`measure_layer`).
+  `progress`, a Keras Progbar if given, advances by one per layer (and one
+  for the timing of waiting recomputes). `policies` are built-in save
+  policies' names to measure each layer under (`measure_layer`).
   """
   advance = progress.add if progress is not None else lambda _: None
   costs, x, measured = [], tf.convert_to_tensor(sample_input), {}
@@ -762,8 +772,16 @@ def measure_chain(layers, sample_input, repeats=5, progress=None,
         measured[key] = cost
     costs.append(cost)
     advance(1)
-  if len(costs) < 2:
-    return costs
+  ratio = WAITING_FRACTION
+  if measure_waiting and len(costs) > 1:
+    ratio = _waiting_ratio(layers, sample_input, costs, repeats)
+    advance(1)
+  return [dataclasses.replace(
+      c, waiting_recompute_seconds=ratio * c.forward_seconds) for c in costs]
+
+
+def _waiting_ratio(layers, sample_input, costs, repeats):
+  """The chain's measured waiting cost as a fraction of forward time."""
   n = min(len(layers), WAITING_PROBE_LAYERS)
   probe, x = layers[:n], tf.convert_to_tensor(sample_input)
   steps = [training_step(RematSequential(probe, segments,
@@ -772,8 +790,5 @@ def measure_chain(layers, sample_input, repeats=5, progress=None,
                              for i in range(n)],
                             [planner.Segment(0, n, True)])]
   singles, whole = measure.median_seconds(steps, x, repeats=repeats)
-  advance(1)
   waiting = sum(c.forward_seconds for c in costs[:n - 1])
-  ratio = max(0.0, whole - singles) / waiting if waiting else 0.0
-  return [dataclasses.replace(
-      c, waiting_recompute_seconds=ratio * c.forward_seconds) for c in costs]
+  return max(0.0, whole - singles) / waiting if waiting else 0.0
