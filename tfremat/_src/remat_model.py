@@ -617,9 +617,11 @@ class _ModelChain:
     self.model, self.cuts, self.units, self.context = (model, cuts, units,
                                                       context)
     first, last = cuts[0], cuts[-1]
+    # Built on the model's own input structure, so that a batch the model
+    # takes without a warning passes through them without one too.
+    given = model._inputs_struct  # pylint: disable=protected-access
     self.prefix = (None if any(first is t for t in model.inputs) else
-                   keras.Model(model.inputs, first,
-                               name=f"{model.name}_before"))
+                   keras.Model(given, first, name=f"{model.name}_before"))
     self.suffix = None
     if not (len(model.outputs) == 1 and last is model.outputs[0]):
       nodes = _topological_nodes(model)
@@ -630,8 +632,7 @@ class _ModelChain:
       self.suffix = _replayed(nodes[after + 1:], [last],
                               model._outputs_struct,  # pylint: disable=protected-access
                               f"{model.name}_after")
-    self.context_of = (keras.Model(model.inputs, context) if context
-                       else None)
+    self.context_of = keras.Model(given, context) if context else None
 
   @classmethod
   def of(cls, model):
