@@ -459,8 +459,10 @@ def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
   """
   layers = _chain_layers(layers, "checked_plan")
   budget = planner.Budget.parse(budget)
-  steps = (len(layers) if costs is None else 0) + 1
-  progress = measure.progress_bar(steps + rounds, "measurement", verbose)
+  # Each layer, keeping everything, the rounds' plans and, before refusing,
+  # the lowest plan (the bar is filled at the end when that is not needed).
+  steps = (len(layers) if costs is None else 0) + 1 + rounds + 1
+  progress = measure.progress_bar(steps, "measurement", verbose)
 
   def measured_peak(segments):
     peaks = measure_peaks(RematSequential(layers, segments,

@@ -605,6 +605,8 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4):
      plans, when a plan fits and no faster one is predicted to, or when a
      target gives a plan already measured, or when the next plan is not
      predicted to be `FASTER_BY` faster than one that fits.
+  4. If no plan measured fits, the plan the model predicts to peak lowest
+     is measured too (if it was not), before the budget is refused.
 
   Args:
     costs: the chain's LayerCosts.
@@ -613,7 +615,8 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4):
     measured_peak: segments -> the measured peaks of a training step of the
       chain under them: a list of per-call peaks, a `Measured`, or one int
       (`tfremat.chain.checked_plan` measures).
-    rounds: how many plans to measure at most, besides keeping everything.
+    rounds: how many plans to measure at most, besides keeping everything
+      and, before refusing, the lowest plan (step 4).
 
   Returns:
     The fastest (by the model) plan whose measured bound is within the
@@ -679,17 +682,30 @@ def _calibrated(costs, keep, budget, budget_bytes, measured_peak, rounds):
       target = scaled  # Room left: try a faster plan.
     else:
       break  # It fits, and no faster plan is predicted to.
-  fitting = [p for p in tried.values()
-             if p.measured.bound_bytes <= budget_bytes]
-  # A plan above keeping everything is never worth its time.
-  fitting = [p for p in fitting
-             if p.measured.peak_bytes <= keep.measured.peak_bytes]
+  fitting = _fitting(tried, keep, budget_bytes)
+  if not fitting:
+    # Before refusing: the plan the model predicts to peak lowest, if the
+    # rounds did not get down to it (plans near the budget measured over
+    # it, and each round lowered the target only a little).
+    lowest = plan(costs, smallest_budget(costs))
+    if tuple(lowest.segments) not in tried:
+      lowest.measured = measured_peak(lowest.segments)
+      tried[tuple(lowest.segments)] = lowest
+      fitting = _fitting(tried, keep, budget_bytes)
   if fitting:
     return min(fitting, key=lambda p: p.seconds)
   lowest = min(tried.values(), key=lambda p: p.measured.bound_bytes)
   raise unreachable_budget_error(costs, budget, budget_bytes,
                                  keep.measured.peak_bytes,
                                  lowest.measured.bound_bytes, measured=True)
+
+
+def _fitting(tried, keep, budget_bytes):
+  """The measured plans whose bound fits, never above keeping everything's
+  peak (such a plan is never worth its time)."""
+  return [p for p in tried.values()
+          if p.measured.bound_bytes <= budget_bytes and
+          p.measured.peak_bytes <= keep.measured.peak_bytes]
 
 
 def floor_terms(costs):
