@@ -185,7 +185,8 @@ def remat_model(model, mode="full", output_size_threshold=1024,
       "larger_than": every layer of `model` (a nested model as one unit)
         whose output has more than `output_size_threshold` elements, sized
         on `sample_input` when given, else with each unknown dimension
-        (batch, sequence length) counted as 1.
+        (batch, sequence length) counted as 1. On a chain of small parts,
+        runs of consecutive selected parts are grouped as for "full".
       "activations": the activation function of every layer that has one
         (`Dense(..., activation="relu")`), inside nested models too; the
         rest of each such layer's call is kept.
@@ -239,13 +240,15 @@ def remat_model(model, mode="full", output_size_threshold=1024,
     raise errors.InvalidArgumentError(
         "remat_model: sample_input is for budget= or mode=\"larger_than\", "
         f"not mode={mode!r}.")
-  if mode == "full":
-    grouped = _grouped(model, policy)
-    if grouped is not None:
-      return grouped
-    _warn_if_single_layers(model)
   choose = _chooser(model, mode, output_size_threshold, sample_input,
                     layer_names)
+  if mode in ("full", "larger_than"):
+    grouped = _grouped(model, policy,
+                       choose if mode == "larger_than" else None)
+    if grouped is not None:
+      return grouped
+    if mode == "full":
+      _warn_if_single_layers(model)
   wrapper = (RematerializeActivation if mode == "activations" else
              functools.partial(RematerializationLayer, policy=policy))
   recurse = mode in ("activations", "list_of_layers")
@@ -361,31 +364,49 @@ def _grouping(held, inputs):
   return best[1]
 
 
-def _grouped(model, policy):
-  """mode="full" on a model whose chain (`chain_units`) has units that
-  group into segments (`_grouping`): every unit rematerialized, the chain's
-  layers inside a `RematSequential` of those segments. None when no segment
-  would have two units: each layer is then rematerialized on its own."""
+def _grouped(model, policy, choose=None):
+  """mode="full" (or, with `choose`, "larger_than") on a model whose chain
+  (`chain_units`) has units that group into segments (`_grouping`): the
+  chosen units rematerialized, the chain's layers inside a `RematSequential`
+  of those segments. A unit is chosen when the layer computing its output
+  is. None when no segment would have two units: each layer is then
+  rematerialized on its own."""
   if policy is not None and not isinstance(policy, str):
     return None  # A RematSequential segment's policy is a built-in's name.
   parts = _ModelChain.of(model)
   if isinstance(parts, int):
     return None
-  segments = _group_segments(parts)
+  chosen = None
+  if choose is not None:
+    chosen = [choose(_producing_node(out).operation)
+              for out in parts.cuts[1:]]
+  segments = _group_segments(parts, chosen)
   if segments is None:
     return None
   return parts.model_with(chain_lib.RematSequential(
       parts.units, segments, policy=policy, name=f"{model.name}_chain"))
 
 
-def _group_segments(parts):
+def _group_segments(parts, chosen=None):
   """`_grouping`'s segments of a `_ModelChain`'s units, or None when none
-  would have two units."""
+  would have two units. With `chosen` (a bool per unit), each run of
+  chosen units is grouped and the others are kept."""
   held = [None if isinstance(u, chain_lib.ContextUnit) else
           _held_elements(u, out)
           for u, out in zip(parts.units, parts.cuts[1:])]
-  segments = _grouping(held, [_elements(t) for t in parts.cuts[:-1]])
-  if all(s.stop - s.start == 1 for s in segments):
+  inputs = [_elements(t) for t in parts.cuts[:-1]]
+  chosen = chosen or [True] * len(held)
+  segments, start = [], 0
+  for stop in range(1, len(held) + 1):
+    if stop < len(held) and chosen[stop] == chosen[start]:
+      continue
+    if chosen[start]:
+      segments += [planner.Segment(start + s.start, start + s.stop, True)
+                   for s in _grouping(held[start:stop], inputs[start:stop])]
+    else:
+      segments.append(planner.Segment(start, stop, False))
+    start = stop
+  if all(s.stop - s.start == 1 for s in segments if s.remat):
     return None
   return segments
 
