@@ -207,13 +207,12 @@ class RematSequential(keras.layers.Layer):
 
     The graph executor runs independent ops in whatever order its threads
     reach them, so a step's peak memory moves from call to call. Here every
-    op of the
-    chain's forward pass waits for the one built before it (`_OpOrder`), and
-    so does every op of its backward pass, which is built here by
-    `tf.gradients` (rematerialized segments' reruns included): one schedule
-    for the large ops, the order in which the program builds them. Small ops
-    stay free, and the allocator's reuse of free chunks depends on what the
-    process did before, so the peak still moves, by less.
+    op of the chain's forward pass waits for the one built before it
+    (`_OpOrder`), and so does every op of its backward pass, which is built
+    here by `tf.gradients` (rematerialized segments' reruns included): one
+    schedule for the large ops, the order in which the program builds them.
+    Small ops stay free, and the allocator's reuse of free chunks depends on
+    what the process did before, so the peak still moves, by less.
     """
     order = _OpOrder()
 
