@@ -184,6 +184,29 @@ def test_modes_choose_what_keras_remat_scope_would():
                     "bn1", "conv0"]
 
 
+def test_activations_leaves_activation_layers_as_they_are():
+  # Conv2D -> BatchNormalization -> Activation, as ResNet50 and DenseNet121
+  # are built. The Activation layer's function recomputed would keep its
+  # input, the normalization's output, which the plain step frees: those
+  # models peaked at 1.14x and 1.37x. The convolutions' (linear) and the
+  # head's activations are still recomputed, as keras.RematScope would.
+  keras.utils.set_random_seed(3)
+  inputs = keras.Input((8, 8, 3))
+  h = keras.layers.Conv2D(4, 3, padding="same", name="conv")(inputs)
+  h = keras.layers.BatchNormalization(name="bn")(h)
+  h = keras.layers.Activation("relu", name="relu")(h)
+  outputs = keras.layers.Dense(2, activation="tanh", name="head")(
+      keras.layers.GlobalAveragePooling2D()(h))
+  model = keras.Model(inputs, outputs)
+  activations = remat_model(model, "activations")
+  assert {l.layer.name for l in activations.layers
+          if isinstance(l, RematerializeActivation)} == {"conv", "head"}
+  x = tf.random.stateless_normal([4, 8, 8, 3], seed=[1, 2])
+  assert_parity(lambda remat, h: (activations if remat else model)(
+      h, training=True), (x,), model.trainable_weights, "function",
+                "/CPU:0", state=model.variables)
+
+
 def test_the_result_trains_the_original_weights_and_saves(tmp_path):
   model, x = _two_inputs()
   rematerialized = remat_model(model, "full")

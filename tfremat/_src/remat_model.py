@@ -189,7 +189,9 @@ def remat_model(model, mode="full", output_size_threshold=1024,
         runs of consecutive selected parts are grouped as for "full".
       "activations": the activation function of every layer that has one
         (`Dense(..., activation="relu")`), inside nested models too; the
-        rest of each such layer's call is kept.
+        rest of each such layer's call is kept. A `keras.layers.Activation`
+        layer is left as it is (recomputed, it would keep its input, which
+        the plain step frees).
       "list_of_layers": the layers named in `layer_names`, at any depth (a
         nested model's name wraps the whole nested model).
     output_size_threshold: for "larger_than".
@@ -277,8 +279,19 @@ def _chooser(model, mode, output_size_threshold, sample_input, layer_names):
     return lambda layer: sizes.get(
         id(layer), _output_size(layer)) > output_size_threshold
   if mode == "activations":
-    return lambda layer: getattr(layer, "activation", None) is not None
+    return _has_activation
   return lambda layer: layer.name in layer_names
+
+
+def _has_activation(layer):
+  """Whether "activations" recomputes `layer`'s activation function: a layer
+  with one, other than a layer that is nothing but its activation
+  (`keras.layers.Activation`). Recomputed, that one keeps its input, which
+  the layer before it produced and, without rematerialization, frees once
+  the activation has run (a BatchNormalization's output in a CNN), while
+  the layer after it still keeps the activation's output."""
+  return (getattr(layer, "activation", None) is not None and
+          not isinstance(layer, keras.layers.Activation))
 
 
 def _warn_if_single_layers(model):
