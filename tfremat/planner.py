@@ -687,10 +687,11 @@ def _calibrated(costs, keep, budget, budget_bytes, measured_peak, rounds):
     # Before refusing: the plan the model predicts to peak lowest, if the
     # rounds did not get down to it (plans near the budget measured over
     # it, and each round lowered the target only a little).
-    lowest = plan(costs, smallest_budget(costs))
-    if tuple(lowest.segments) not in tried:
-      lowest.measured = measured_peak(lowest.segments)
-      tried[tuple(lowest.segments)] = lowest
+    floor_plan = plan(costs, smallest_budget(costs))
+    key = tuple(floor_plan.segments)
+    if key not in tried:
+      floor_plan.measured = measured_peak(floor_plan.segments)
+      tried[key] = floor_plan
       fitting = _fitting(tried, keep, budget_bytes)
   if fitting:
     return min(fitting, key=lambda p: p.seconds)
