@@ -265,6 +265,36 @@ def test_allocator_margin_is_part_of_every_bound(monkeypatch):
       costs, keep_peak + margin, _stand_in(costs)).rematerialized)
 
 
+@pytest.mark.parametrize("fraction", [0.8, 0.6, 0.5, 0.4])
+def test_the_margin_is_not_scaled_so_an_exact_model_plans_in_one_check(
+    monkeypatch, fraction):
+  # The allocator margin is bytes of the keep-everything peak, the same for
+  # every plan: a plan peaking at half as much needs all of it, not half. With
+  # a model that predicts the measured peaks exactly, the first plan measured
+  # is the one chosen (each check of the bench transformer LM costs seconds).
+  monkeypatch.setattr(planner, "ALLOCATOR_MARGIN", 0.1)
+  costs = random_costs(np.random.default_rng(6), 8)
+  keep = planner.keep_all(8)
+  keep_peak = int(planner.predict(costs, keep)[0])
+  margin = int(0.1 * keep_peak)
+  budget = int(fraction * keep_peak)
+  if budget - margin < planner.smallest_budget(costs):
+    pytest.skip("below this chain's floor")
+  measured = []
+
+  def measured_peak(segments):
+    measured.append(segments)
+    return int(planner.predict(costs, segments)[0])
+
+  chosen = planner.calibrated_plan(costs, fraction, measured_peak)
+  assert chosen.measured.bound_bytes <= chosen.budget_bytes
+  assert len(measured) == 2, [str(planner.Plan(costs, s).peak_bytes)
+                              for s in measured]
+  best = planner.plan(costs, budget - margin)
+  assert chosen.seconds <= best.seconds + (
+      planner.FASTER_BY * chosen.baseline_seconds)
+
+
 def test_plan_with_a_spread_is_held_to_its_bound():
   # A plan whose largest peak fits but whose bound does not is not chosen.
   costs = random_costs(np.random.default_rng(9), 6)

@@ -597,14 +597,18 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4):
   1. Keeping everything is measured and chosen if its bound (`Measured`)
      fits, or if the budget is 100% of it.
   2. That measurement calibrates the model: plans are made for the budget
-     times (predicted / measured bound of keeping everything).
+     less the allocator margin, times (predicted / measured bound less the
+     margin, of keeping everything). The margin is bytes of keeping
+     everything's peak, the same in every plan's bound, so it is taken off,
+     not scaled.
   3. Each plan is measured, and the model is recalibrated on it: the next
-     target is that plan's predicted peak times budget / its measured bound
-     (below its predicted peak if it did not fit; below the model's floor,
-     the plan it predicts to peak lowest). This stops after `rounds`
-     plans, when a plan fits and no faster one is predicted to, or when a
-     target gives a plan already measured, or when the next plan is not
-     predicted to be `FASTER_BY` faster than one that fits.
+     target is that plan's predicted peak times (budget less margin) / (its
+     measured bound less margin) (below its predicted peak if it did not
+     fit; below the model's floor, the plan it predicts to peak lowest).
+     This stops after `rounds` plans, when a plan fits and no faster one
+     is predicted to, or when a target gives a plan already measured, or
+     when the next plan is not predicted to be `FASTER_BY` faster than one
+     that fits.
   4. If no plan measured fits, the plan the model predicts to peak lowest
      is measured too (if it was not), before the budget is refused.
 
@@ -647,8 +651,10 @@ def _calibrated(costs, keep, budget, budget_bytes, measured_peak, rounds):
   if (keep.measured.bound_bytes <= budget_bytes or
       (budget is not None and budget.fraction == 1.0)):
     return keep
-  scale = keep.peak_bytes / max(1, keep.measured.bound_bytes)
-  target, tried = int(budget_bytes * scale), {}
+  margin = keep.measured.margin_bytes  # The same bytes in every bound:
+  room = max(0, budget_bytes - margin)  # taken off, not scaled.
+  scale = keep.peak_bytes / max(1, keep.measured.bound_bytes - margin)
+  target, tried = int(room * scale), {}
   for _ in range(rounds):
     try:
       chosen = plan(costs, target)
@@ -656,7 +662,7 @@ def _calibrated(costs, keep, budget, budget_bytes, measured_peak, rounds):
       if not tried:
         raise unreachable_budget_error(
             costs, budget, budget_bytes, keep.measured.peak_bytes,
-            math.ceil(smallest_budget(costs) / scale),
+            math.ceil(smallest_budget(costs) / scale) + margin,
             measured=False) from None
       # Below the model's floor: the plan it predicts to peak lowest is the
       # last worth measuring (on CNNs the model's error is large, and plans
@@ -672,11 +678,11 @@ def _calibrated(costs, keep, budget, budget_bytes, measured_peak, rounds):
       break  # Not worth measuring: too little faster than one that fits.
     chosen.measured = measured_peak(chosen.segments)
     tried[key] = chosen
-    # Recalibrate on this plan: the target at which the model's peak, scaled
-    # by this plan's measured bound / predicted peak, meets the budget.
-    bound = max(1, chosen.measured.bound_bytes)
-    scaled = int(chosen.peak_bytes * budget_bytes / bound)
-    if bound > budget_bytes:
+    # Recalibrate: the target at which the model's peak, scaled by this
+    # plan's measured bound / predicted peak (less margin), meets the budget.
+    bound = max(1, chosen.measured.bound_bytes - margin)
+    scaled = int(chosen.peak_bytes * room / bound)
+    if chosen.measured.bound_bytes > budget_bytes:
       target = min(scaled, chosen.peak_bytes - 1)  # Below this plan.
     elif scaled > target:
       target = scaled  # Room left: try a faster plan.
