@@ -295,6 +295,33 @@ def test_the_margin_is_not_scaled_so_an_exact_model_plans_in_one_check(
       planner.FASTER_BY * chosen.baseline_seconds)
 
 
+def test_a_budget_below_the_models_floor_is_measured_before_refusing():
+  # The model predicts every plan, its lowest too, over the budget, but it
+  # overestimates the lowest plan: measured, that plan fits. A refusal on the
+  # model's word alone would be wrong, so the lowest plan is measured first.
+  costs = random_costs(np.random.default_rng(6), 8)
+  keep = planner.keep_all(8)
+  floor = planner.plan(costs, planner.smallest_budget(costs))
+  keep_peak = int(planner.predict(costs, keep)[0])
+  measured = []
+
+  def measured_peak(segments):
+    measured.append(segments)
+    peak = planner.predict(costs, segments)[0]
+    return int(0.8 * peak if segments == floor.segments else peak)
+
+  budget = int(0.9 * floor.peak_bytes)
+  chosen = planner.calibrated_plan(costs, budget, measured_peak)
+  assert chosen.segments == floor.segments
+  assert measured == [keep, floor.segments]
+  # Where it does not fit either, the error gives its measured bound.
+  with pytest.raises(ValueError, match=(
+      f"the lowest bound measured is {int(0.8 * floor.peak_bytes) / 2**20:.1f}"
+      r" MiB, \d+% of the measured keep-everything peak")):
+    planner.calibrated_plan(costs, int(0.7 * floor.peak_bytes), measured_peak)
+  assert keep_peak > budget
+
+
 def test_plan_with_a_spread_is_held_to_its_bound():
   # A plan whose largest peak fits but whose bound does not is not chosen.
   costs = random_costs(np.random.default_rng(9), 6)

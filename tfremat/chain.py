@@ -452,9 +452,8 @@ def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
   generators, so their values are put back afterwards.
 
   Raises:
-    ValueError: no plan fits (the message gives the smallest budget that
-      the calibrated model predicts to fit), or none measured within the
-      budget.
+    ValueError: no plan measured fits the budget (the message gives the
+      lowest bound measured, as a fraction of keeping everything's peak).
   """
   layers = _chain_layers(layers, "checked_plan")
   budget = planner.Budget.parse(budget)

@@ -627,8 +627,9 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4):
     budget, with its budget and measurements set.
 
   Raises:
-    ValueError: no plan fits. The message gives the lowest fraction of the
-      keep-everything peak measured or predicted, and what dominates it.
+    ValueError: no plan measured fits. The message gives the lowest bound
+      measured, as a fraction of the keep-everything peak, and what
+      dominates it by the cost model.
   """
   budget = Budget.parse(budget)
   keep = Plan(costs, keep_all(len(costs)))
@@ -659,14 +660,10 @@ def _calibrated(costs, keep, budget, budget_bytes, measured_peak, rounds):
     try:
       chosen = plan(costs, target)
     except ValueError:
-      if not tried:
-        raise unreachable_budget_error(
-            costs, budget, budget_bytes, keep.measured.peak_bytes,
-            math.ceil(smallest_budget(costs) / scale) + margin,
-            measured=False) from None
       # Below the model's floor: the plan it predicts to peak lowest is the
-      # last worth measuring (on CNNs the model's error is large, and plans
-      # above it measured over budget where that one fit).
+      # last worth measuring, and is measured before refusing (on CNNs the
+      # model's error is large: plans above it measured over budget where
+      # that one fit).
       chosen = plan(costs, smallest_budget(costs))
     key = tuple(chosen.segments)
     if key in tried:
