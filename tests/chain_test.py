@@ -170,9 +170,12 @@ def test_rematerializing_every_layer_peaks_at_most_keeping_everything(name):
   # process loads the machine its peak ranged over 1.6x of its least
   # (wide_hidden: 4.88-7.87 MiB, rematerializing every block 5.12-6.49):
   # the least of the rematerialized calls is held to the kept step's
-  # typical call. Rematerializing a layer whose only kept tensor is its
-  # output (tanh) saves nothing and may cost one recomputed output.
-  slack = 2048 * 64 * 4 if name == "tanh" else 0
+  # typical call, within one block's output: what one recomputed output
+  # costs where a layer keeps nothing else (tanh), and what the allocator's
+  # rounding moved these near-equal steps by (wide_hidden, whose weight
+  # gradients dominate: 4.96 against 4.92 MiB once, under load). The steps
+  # this test was written for peaked 1.5-1.8 MiB (1.44x, 1.47x) above.
+  slack = x.shape.num_elements() * x.dtype.size
   assert min(peaks[every]) <= np.median(peaks[keep]) + slack, {
       ("every" if l is every else "keep"): [round(p / 2**20, 2) for p in v]
       for l, v in peaks.items()}
