@@ -701,7 +701,7 @@ def _calibrated(costs, keep, budget, budget_bytes, measured_peak, rounds):
   lowest = min(tried.values(), key=lambda p: p.measured.bound_bytes)
   raise unreachable_budget_error(costs, budget, budget_bytes,
                                  keep.measured.peak_bytes,
-                                 lowest.measured.bound_bytes, measured=True)
+                                 lowest.measured.bound_bytes)
 
 
 def _fitting(tried, keep, budget_bytes):
@@ -729,19 +729,16 @@ def floor_terms(costs):
   return sorted(terms, key=lambda t: -t[1])
 
 
-def unreachable_budget_error(costs, budget, budget_bytes, keep_peak, lowest,
-                             measured):
-  """The ValueError for a budget below the lowest peak reached: `lowest`,
-  measured (the lowest measured bound) or predicted by the calibrated model."""
+def unreachable_budget_error(costs, budget, budget_bytes, keep_peak, lowest):
+  """The ValueError for a budget below `lowest`, the lowest bound measured."""
   mib = measure.format_bytes
-  how = ("the lowest bound measured" if measured else
-         "the lowest peak the cost model, calibrated by measuring, predicts")
   asked = (f"{budget.fraction:.0%} of the keep-everything peak, "
            if budget is not None and budget.fraction is not None else "")
   terms = "; ".join(f"{what}: {mib(n)}" for what, n in floor_terms(costs))
   return errors.InvalidArgumentError(
       f"No rematerialization plan fits a budget of {asked}{mib(budget_bytes)}:"
-      f" {how} is {mib(lowest)}, {lowest / max(1, keep_peak):.0%} of the "
+      f" the lowest bound measured is {mib(lowest)}, "
+      f"{lowest / max(1, keep_peak):.0%} of the "
       f"measured keep-everything peak ({mib(keep_peak)}). What every plan "
       f"holds, by the cost model: {terms}. Raise the budget to at least "
       f"{lowest / max(1, keep_peak):.0%}, or shrink the batch or the widest "
