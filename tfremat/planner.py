@@ -25,6 +25,7 @@ not searched.
 """
 
 import dataclasses
+import functools
 import math
 import re
 import numpy as np
@@ -656,6 +657,8 @@ def _calibrated(costs, keep, budget, budget_bytes, measured_peak, rounds):
   room = max(0, budget_bytes - margin)  # taken off, not scaled.
   scale = keep.peak_bytes / max(1, keep.measured.bound_bytes - margin)
   target, tried = int(room * scale), {}
+  # The plan the model predicts to peak lowest, made once if needed.
+  floor_plan = functools.cache(lambda: plan(costs, smallest_budget(costs)))
   for _ in range(rounds):
     try:
       chosen = plan(costs, target)
@@ -664,7 +667,7 @@ def _calibrated(costs, keep, budget, budget_bytes, measured_peak, rounds):
       # last worth measuring, and is measured before refusing (on CNNs the
       # model's error is large: plans above it measured over budget where
       # that one fit).
-      chosen = plan(costs, smallest_budget(costs))
+      chosen = floor_plan()
     key = tuple(chosen.segments)
     if key in tried:
       break  # Converged: this target gives a plan already measured.
@@ -690,11 +693,10 @@ def _calibrated(costs, keep, budget, budget_bytes, measured_peak, rounds):
     # Before refusing: the plan the model predicts to peak lowest, if the
     # rounds did not get down to it (plans near the budget measured over
     # it, and each round lowered the target only a little).
-    floor_plan = plan(costs, smallest_budget(costs))
-    key = tuple(floor_plan.segments)
-    if key not in tried:
-      floor_plan.measured = measured_peak(floor_plan.segments)
-      tried[key] = floor_plan
+    floor = floor_plan()
+    if tuple(floor.segments) not in tried:
+      floor.measured = measured_peak(floor.segments)
+      tried[tuple(floor.segments)] = floor
       fitting = _fitting(tried, keep, budget_bytes)
   if fitting:
     return min(fitting, key=lambda p: p.seconds)
