@@ -71,6 +71,26 @@ def test_training_step_of_an_unbuilt_layer_differentiates_its_weights():
   grads = chain.training_step(dense)(x)
   assert [g.shape for g in grads] == [(4, 8), (8, 8), (8,)]
 
+def test_training_step_takes_a_model_with_several_outputs_and_inputs():
+  # KerasHub's BertBackbone takes a dict and returns one: the loss is the
+  # sum over every output, and integer inputs get no gradient.
+  keras.utils.set_random_seed(0)
+  a, b = keras.Input((8,), name="a"), keras.Input((8,), name="b",
+                                                  dtype="int32")
+  dense = keras.layers.Dense(8)
+  h = dense(a + keras.ops.cast(b, "float32"))
+  model = keras.Model({"a": a, "b": b}, {"h": h, "twice": 2 * h})
+  x = {"a": tf.random.stateless_normal([4, 8], seed=[1, 3]),
+       "b": tf.ones([4, 8], tf.int32)}
+  y = dense(x["a"] + 1)
+  grads = chain.training_step(model)(x)
+  # sum(h**2) / 2 + sum((2h)**2) / 2: dL/dh = 5h.
+  assert grads[0]["b"] is None
+  assert_trees_close(grads[0]["a"],
+                     tf.matmul(5 * y, dense.kernel, transpose_b=True))
+  assert_trees_close(grads[1], tf.matmul(x["a"] + 1, 5 * y, transpose_a=True))
+
+
 @pytest.mark.parametrize("segments", [1, 2, "sqrt"])
 def test_remat_sequential_segments_match_plain(segments):
   blocks = models.residual_mlp(4, 16, dropout=0.3, residual_inside=True)

@@ -545,7 +545,8 @@ def _extra_peak_bytes(more, less, x):
 def training_step(layer, applications=1, jit=False):
   """A traced training step of a chain: forward and backward of `layer`
   (applied `applications` times in a row) on a batch, for the loss
-  sum(y**2) / 2 of its output y; returns the input and weight gradients.
+  sum(y**2) / 2 summed over its outputs y; returns the input and weight
+  gradients (None for an integer input).
 
   The loss must read y: with an incoming gradient that depends only on y's
   shape (such as ones), TensorFlow prunes the forward ops whose values the
@@ -555,15 +556,16 @@ def training_step(layer, applications=1, jit=False):
 
   def step(x):
     with tf.GradientTape() as tape:
-      tape.watch(x)
+      tape.watch([t for t in tf.nest.flatten(x) if t.dtype.is_floating])
       y = x
       for _ in range(applications):
         y = layer(y, training=True)
     # Read after the call: an unbuilt layer makes its weights in it.
     weights = layer.trainable_weights
     # d(sum(y**2) / 2)/dy = y: the loss's gradient, without the loss's ops.
-    return tape.gradient(y, [x] + weights,
-                         output_gradients=tf.stop_gradient(y))
+    return tape.gradient(
+        y, [x] + weights,
+        output_gradients=tf.nest.map_structure(tf.stop_gradient, y))
 
   return measure.replicated(step, jit_compile=jit)
 
