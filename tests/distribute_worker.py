@@ -53,7 +53,7 @@ def model_fn(wrap, hidden=8, blocks=2):
   h = inputs
   for i in range(blocks):
     block = keras.Sequential([
-        keras.layers.Dense(hidden, activation="tanh"),
+        keras.layers.Dense(hidden, activation="gelu"),
         keras.layers.LayerNormalization(),
         keras.layers.Dense(6),
     ], name=f"block{i}")

@@ -10,7 +10,8 @@ The result computes the same function with the same layer objects: the chosen
 layers run inside `RematerializationLayer` (or, in "activations" mode, only
 their activation functions run through `RematerializeFn`), so their
 activations are recomputed in the backward pass, exactly. The modes mean what
-`keras.RematScope`'s do.
+`keras.RematScope`'s do, except that "activations" leaves functions whose
+recomputation would cost memory.
 """
 
 import difflib
@@ -21,6 +22,7 @@ import warnings
 import keras
 from keras.src.models import functional
 import numpy as np
+import tensorflow as tf
 
 from tfremat import chain as chain_lib
 from tfremat import errors
@@ -188,10 +190,12 @@ def remat_model(model, mode="full", output_size_threshold=1024,
         (batch, sequence length) counted as 1. On a chain of small parts,
         runs of consecutive selected parts are grouped as for "full".
       "activations": the activation function of every layer that has one
-        (`Dense(..., activation="relu")`), inside nested models too; the
-        rest of each such layer's call is kept. A `keras.layers.Activation`
-        layer is left as it is (recomputed, it would keep its input, which
-        the plain step frees).
+        (`Dense(..., activation="gelu")`), inside nested models too, where
+        recomputing it frees memory; the rest of each such layer's call is
+        kept. Functions whose gradient reads only their output (relu, tanh,
+        sigmoid, softmax) or only their input (silu, softplus) are left, as
+        are `keras.layers.Activation` layers: recomputed, they would keep
+        their input besides.
       "list_of_layers": the layers named in `layer_names`, at any depth (a
         nested model's name wraps the whole nested model).
     output_size_threshold: for "larger_than".
@@ -285,13 +289,70 @@ def _chooser(model, mode, output_size_threshold, sample_input, layer_names):
 
 def _has_activation(layer):
   """Whether "activations" recomputes `layer`'s activation function: a layer
-  with one, other than a layer that is nothing but its activation
-  (`keras.layers.Activation`). Recomputed, that one keeps its input, which
-  the layer before it produced and, without rematerialization, frees once
-  the activation has run (a BatchNormalization's output in a CNN), while
-  the layer after it still keeps the activation's output."""
-  return (getattr(layer, "activation", None) is not None and
-          not isinstance(layer, keras.layers.Activation))
+  with one whose recomputation frees memory (`_recomputing_frees`), other
+  than a layer that is nothing but its activation (`keras.layers.Activation`).
+  Recomputed, that one keeps its input, which the layer before it produced
+  and, without rematerialization, frees once the activation has run (a
+  BatchNormalization's output in a CNN), while the layer after it still
+  keeps the activation's output."""
+  activation = getattr(layer, "activation", None)
+  return (activation is not None and
+          not isinstance(layer, keras.layers.Activation) and
+          _recomputing_frees(activation, layer.compute_dtype or "float32"))
+
+
+def _recomputing_frees(activation, dtype):
+  """Whether recomputing `activation` in the backward pass frees memory.
+
+  Kept, the function holds what its gradient reads; recomputed, it holds
+  its input; the layer after it holds its output either way. So recomputing
+  frees memory only when the gradient reads more than the output and one
+  more tensor of the input's size: gelu and mish (intermediates), not relu,
+  tanh, sigmoid or softmax (the output alone) nor silu or softplus (the
+  input alone), which recomputed would only keep their input besides.
+  Decided on a small traced graph, once per function and dtype; a function
+  that cannot be traced is recomputed, as asked.
+  """
+  key = (id(activation), dtype)
+  if key not in _FREES:
+    try:
+      frees = _gradient_reads(activation, dtype) > 1
+    except Exception:  # pylint: disable=broad-except
+      frees = True
+    # The function is held too, so that its id is not reused.
+    _FREES[key] = (activation, frees)
+  return _FREES[key][1]
+
+
+_FREES = {}
+
+# Gradient ops that read a tensor's shape, not its values: the executor runs
+# them as soon as the tensor exists, so they keep nothing alive.
+_SHAPE_OPS = frozenset(("Shape", "ShapeN", "Size", "Rank",
+                        "BroadcastGradientArgs"))
+
+
+def _gradient_reads(activation, dtype):
+  """What `activation`'s gradient reads of its forward pass besides the
+  output, in bytes per byte of its input (tensors with fewer than half the
+  input's elements, such as constants, not counted)."""
+  graph = tf.Graph()
+  with graph.as_default():
+    x = tf.compat.v1.placeholder(dtype, [4, 6])
+    with tf.GradientTape() as tape:
+      tape.watch(x)
+      y = activation(x)
+    forward = set(graph.get_operations())
+    tape.gradient(y, x)
+    read = {t.ref(): t for op in graph.get_operations()
+            if op not in forward and op.type not in _SHAPE_OPS
+            for t in op.inputs if t.op in forward}
+  read.pop(y.ref(), None)
+  size = x.shape.num_elements()
+  elements = [(t.shape.num_elements() or size, t.dtype.size)
+              for t in read.values()]
+  return sum(n * b for n, b in elements if 2 * n >= size) / (
+      size * x.dtype.size)
 
 
 def _warn_if_single_layers(model):
