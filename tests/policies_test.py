@@ -22,6 +22,7 @@ import tfremat
 from tfremat import models
 from tfremat import policies
 from tfremat import selective
+from tfremat._src import residuals
 from conftest import assert_parity, device_modes
 
 # Policies act in graphs; eager calls keep nothing (tested below once).
@@ -281,6 +282,24 @@ def test_saved_residuals_lists_what_each_policy_keeps():
   text = str(dots)
   assert "dots_saveable" in text and "MatMul" in text and "(8, 32)" in text
   assert "total: 3 tensors" in text
+
+
+@pytest.mark.parametrize("block", ["mlp", "transformer"])
+def test_one_trace_lists_what_each_of_several_policies_keeps(block):
+  # The planner asks what each of its policies keeps of every layer; one
+  # trace answers for all, exactly as a trace per policy does.
+  if block == "mlp":
+    fn, x = _mlp_block()[0], _x(6, 8)
+  else:
+    keras.utils.set_random_seed(0)
+    layer = models.transformer_block(6, 8, 2, dropout=0.3)
+    fn, x = lambda h: layer(h, training=True), _x(2, 6, 8)
+  asked = [*ALL_POLICIES.values(), *policies.PLANNED]
+  together = residuals.policy_residuals(fn, x, among=asked)
+  assert len(together) == len(asked)
+  for policy, found in zip(asked, together):
+    alone = tfremat.saved_residuals(fn, x, policy=policy)
+    assert list(found) == [r for r in alone if r.source == "policy"], policy
 
 
 def test_saved_residuals_lists_captured_tensors():

@@ -583,10 +583,10 @@ def measure_layer(layer, x, repeats=5, policies=()):
   (usually more than a traced function keeps).
 
   For each save policy named in `policies`, what the layer keeps when
-  rematerialized under it is read from the traced forward pass
-  (`tfremat.saved_residuals`), and what rematerializing it costs is the
-  measured time of its training step so rematerialized, less that of the
-  plain step. Policies that keep the same tensors of this layer (on a layer
+  rematerialized under it is read from one traced forward pass (as
+  `tfremat.saved_residuals` lists it), and what rematerializing it costs is
+  the measured time of its training step so rematerialized, less that of
+  the plain step. Policies that keep the same tensors of this layer (on a layer
   without softmax, `masks_saveable` and `masks_and_softmax_saveable`) are
   timed once and share the measurement, so noise cannot rank equals.
   """
@@ -610,10 +610,9 @@ def measure_layer(layer, x, repeats=5, policies=()):
   saved = max(0, saved)
   fwd_peak = measure.peak_bytes(forward, x)
   kept, keeps, first_alike = {}, {}, {}
-  for p in policies:
-    found = [r for r in residuals.saved_residuals(
-        lambda h: layer(h, training=True), x, policy=p) if r.source == "policy"]
-    kept[p] = sum(r.num_bytes for r in found)
+  for p, found in zip(policies, residuals.policy_residuals(
+      lambda h: layer(h, training=True), x, among=policies)):
+    kept[p] = found.total_bytes
     keeps[p] = _kinds_kept(found)
     alike = tuple((r.what.split()[0], r.shape, r.dtype) for r in found)
     first_alike[p] = first_alike.setdefault(alike, p)

@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfremat import measure
+from tfremat import errors
 from tfremat import policies
 from tfremat._src import remat
 
@@ -118,6 +119,57 @@ def saved_residuals(fn, *xs, policy=None):
   if policy is None:
     policy = policies.current()  # An enclosing policies.scope's.
   policy_fn = policies.get(policy)
+  call, positions = _traced_call(fn, xs, policy_fn)
+  found = []
+  for n, i in enumerate(positions):
+    found.append(_entry("argument", f"argument {n}", call.leaves[i]))
+  for s in getattr(call, "sources", ()):
+    if s.kind == "closure":
+      found.append(_entry("captured", s.tensor.name, s.tensor))
+  if call.saver is not None:
+    found += _kept(call.saver.saved.values())
+  return Residuals(found, policies.name_of(policy))
+
+
+def policy_residuals(fn, *xs, among=()):
+  """What each policy in `among` keeps of `fn(*xs)`: for each, a
+  `Residuals` of its "policy" entries, as `saved_residuals` lists them.
+
+  One trace answers for all: the forward pass is traced once keeping every
+  candidate op, and each policy's choice among them is read off. A policy
+  that recomputes a named tensor's producer with it
+  (`save_anything_except_these_names`) gets a trace of its own.
+  """
+  fns = [policies.get(p) for p in among]
+  together = [not getattr(p, "unsave_named_inputs", False) for p in fns]
+  everything = []
+  if any(together):
+    call, _ = _traced_call(fn, xs, lambda op: True)
+    everything = list(call.saver.saved.values()) if call.saver else []
+  found = []
+  for policy, one_trace in zip(fns, together):
+    if one_trace:
+      kept = _kept(s for s in everything if _keeps(policy, s.info))
+    else:
+      kept = [r for r in saved_residuals(fn, *xs, policy=policy)
+              if r.source == "policy"]
+    found.append(Residuals(kept, policies.name_of(policy)))
+  return found
+
+
+def _keeps(policy, info):
+  keep = policy(info)
+  if keep is not None and not isinstance(keep, (bool, np.bool_)):
+    raise errors.InvalidTypeError(
+        f"A save policy must return True or False; "
+        f"{policies.name_of(policy)} returned {keep!r} for {info}.")
+  return bool(keep)
+
+
+def _traced_call(fn, xs, policy_fn):
+  """Traces `RematerializeFn(fn, *xs, policy=policy_fn)` (without running
+  it); returns the call's record and the positions of the tensors among
+  `xs`' leaves."""
   leaves = tf.nest.flatten(xs)
   positions = [i for i, leaf in enumerate(leaves)
                if isinstance(leaf, (tf.Tensor, np.ndarray))]
@@ -139,23 +191,21 @@ def saved_residuals(fn, *xs, policy=None):
     traced.get_concrete_function(*specs)
   finally:
     remat._observers.remove(calls)  # pylint: disable=protected-access
-  call = calls[0]
+  return calls[0], positions
+
+
+def _kept(saved_ops):
+  """The "policy" entries of the kept ops (`selective.Saved`), in order."""
   found = []
-  for n, i in enumerate(positions):
-    found.append(_entry("argument", f"argument {n}", call.leaves[i]))
-  for s in getattr(call, "sources", ()):
-    if s.kind == "closure":
-      found.append(_entry("captured", s.tensor.name, s.tensor))
-  if call.saver is not None:
-    for saved in call.saver.saved.values():
-      name = _short_name(saved.info.name)
-      room = 51 - len(saved.info.type)
-      if len(name) > room:
-        name = "..." + name[-(room - 3):]
-      what = f"{saved.info.type} {name}"
-      if saved.info.checkpoint_name:
-        what = f"checkpoint_name {saved.info.checkpoint_name!r}"
-      for t in saved.outputs:
-        found.append(_entry("policy", what, t))
-  return Residuals(found, policies.name_of(policy))
+  for saved in saved_ops:
+    name = _short_name(saved.info.name)
+    room = 51 - len(saved.info.type)
+    if len(name) > room:
+      name = "..." + name[-(room - 3):]
+    what = f"{saved.info.type} {name}"
+    if saved.info.checkpoint_name:
+      what = f"checkpoint_name {saved.info.checkpoint_name!r}"
+    for t in saved.outputs:
+      found.append(_entry("policy", what, t))
+  return found
 
