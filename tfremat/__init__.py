@@ -70,6 +70,7 @@ from tfremat._src.remat import rematerialize
 from tfremat._src.remat_model import chain_units
 from tfremat._src.remat_model import remat_model
 from tfremat._src.residuals import saved_residuals
+from tfremat._src.scope import RematScope
 from tfremat.chain import RematSequential
 from tfremat.chain import remat_sequential
 from tfremat.errors import RerunMismatchError
@@ -131,6 +132,7 @@ __all__ = [
     "remat_in_place_for_budget",
     "undo_remat_in_place",
     "is_remat_in_place",
+    "RematScope",
     # What is kept, and errors.
     "checkpoint_name",
     "saved_residuals",

@@ -1,0 +1,177 @@
+"""tfremat.RematScope: keras.RematScope's API, with exact rematerialization.
+
+Layers made inside `keras.RematScope` run through `tf.recompute_grad` on
+TensorFlow, whose rerun draws new dropout masks. The same layers made inside
+`tfremat.RematScope` run through `RematerializeFn`: gradients and state as
+without rematerialization, and layers made elsewhere are left alone.
+"""
+
+import contextlib
+
+import keras
+import pytest
+import tensorflow as tf
+
+import tfremat
+from tfremat import chain
+from tfremat import measure
+from tfremat._src import remat as remat_lib
+from conftest import DEVICE_MODES, assert_parity, assert_trees_close
+
+
+def _blocks(count=3, width=32, dropout=0.3, activation="gelu"):
+  """Residual blocks with dropout and batch norm, as keras.Sequential."""
+  return [keras.Sequential([
+      keras.layers.Dense(4 * width, activation=activation),
+      keras.layers.Dropout(dropout, seed=10 + i),
+      keras.layers.BatchNormalization(),
+      keras.layers.Dense(width)], name=f"block{i}") for i in range(count)]
+
+
+def _model(blocks, width=32):
+  x = keras.Input((width,))
+  h = x
+  for block in blocks:
+    h = h + block(h)
+  return keras.Model(x, h)
+
+
+def _all_layers(model):
+  return [l for l in model._flatten_layers()]  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def _plain(model):
+  """Runs `model` without rematerialization: every layer's remat mode off."""
+  layers = _all_layers(model)
+  before = [l._remat_mode for l in layers]  # pylint: disable=protected-access
+  for layer in layers:
+    object.__setattr__(layer, "_remat_mode", None)
+  try:
+    yield
+  finally:
+    for layer, mode in zip(layers, before):
+      object.__setattr__(layer, "_remat_mode", mode)
+
+
+def _parity(model, x, mode, device):
+  def call(remat, x):
+    if remat:
+      return model(x, training=True)
+    with _plain(model):
+      return model(x, training=True)
+
+  assert_parity(call, (x,), model.trainable_variables, mode, device,
+                state=model.variables)
+
+
+@pytest.mark.parametrize("scope_mode, kwargs", [
+    ("full", {}), ("larger_than", {"output_size_threshold": 8 * 32}),
+    ("activations", {}), ("list_of_layers", {"layer_names": ["block1"]})])
+@pytest.mark.parametrize("device, mode", DEVICE_MODES)
+def test_gradients_and_state_equal_the_plain_model(device, mode, scope_mode,
+                                                   kwargs):
+  keras.utils.set_random_seed(0)
+  with tf.device(device):
+    with tfremat.RematScope(mode=scope_mode, **kwargs):
+      blocks = _blocks()
+    model = _model(blocks)
+  x = tf.random.stateless_normal([8, 32], seed=[1, 2])
+  _parity(model, x, mode, device)
+
+
+def _rematerialized_calls(monkeypatch):
+  """A list that grows by one for each call RematerializeFn rematerializes."""
+  calls = []
+  real = remat_lib.rematerialize_with_losses
+
+  def counted(*args, **kwargs):
+    calls.append(1)
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(remat_lib, "rematerialize_with_losses", counted)
+  return calls
+
+
+def test_each_mode_chooses_what_keras_remat_scope_would(monkeypatch):
+  calls = _rematerialized_calls(monkeypatch)
+  x = tf.random.stateless_normal([8, 32], seed=[1, 2])
+
+  def count(activation="gelu", **kwargs):
+    """How many calls the forward pass rematerializes."""
+    keras.utils.set_random_seed(0)
+    with tfremat.RematScope(**kwargs):
+      blocks = _blocks(count=1, activation=activation)
+    del calls[:]
+    with tf.GradientTape() as tape:
+      y = _model(blocks)(x, training=True)
+    forward = len(calls)
+    tape.gradient(y, blocks[0].trainable_variables)
+    return forward
+
+  # The block, and inside it each of its four layers.
+  assert count(mode="full") == 5
+  # Outputs of more than 8 x 32 elements: the three 8 x 128 ones.
+  assert count(mode="larger_than", output_size_threshold=8 * 32) == 3
+  assert count(mode="list_of_layers", layer_names=["block0"]) == 1
+  # gelu's gradient keeps intermediates (recomputing frees them); relu's
+  # reads only its output, and the last Dense's is linear.
+  assert count(mode="activations") == 1
+  assert count(mode="activations", activation="relu") == 0
+  assert count(mode=None) == 0
+
+
+def test_layers_made_elsewhere_are_left_to_keras(monkeypatch):
+  calls = _rematerialized_calls(monkeypatch)
+  keras.utils.set_random_seed(0)
+  with keras.RematScope(mode="full"):
+    keras_blocks = _blocks(count=1)
+  plain = _blocks(count=1)
+  x = tf.random.stateless_normal([8, 32], seed=[1, 2])
+  for blocks in (keras_blocks, plain):
+    with tf.GradientTape() as tape:
+      y = _model(blocks)(x, training=True)
+    tape.gradient(y, blocks[0].trainable_variables)
+  assert not calls
+
+
+def test_inference_runs_plain_and_a_saved_model_loads(monkeypatch, tmp_path):
+  calls = _rematerialized_calls(monkeypatch)
+  keras.utils.set_random_seed(0)
+  with tfremat.RematScope(mode="full"):
+    blocks = _blocks()
+  model = _model(blocks)
+  x = tf.random.stateless_normal([8, 32], seed=[1, 2])
+  expected = model(x, training=False)
+  assert not calls
+  model.save(tmp_path / "m.keras")
+  loaded = keras.models.load_model(tmp_path / "m.keras")
+  assert_trees_close(loaded(x, training=False), expected)
+
+
+def test_a_scoped_chain_peaks_below_the_plain_one():
+  keras.utils.set_random_seed(0)
+  with tfremat.RematScope(mode="list_of_layers",
+                          layer_names=[f"block{i}" for i in range(8)]):
+    blocks = _blocks(count=8, width=64, dropout=0.1)
+  model = _model(blocks, width=64)
+  x = tf.random.stateless_normal([1024, 64], seed=[1, 2])
+  remat = measure.peaks(chain.training_step(model), x, calls=3)
+  with _plain(model):
+    plain = measure.peaks(chain.training_step(model), x, calls=3)
+  # Each block holds four 1 MiB activations plain, its 256 KiB input
+  # rematerialized.
+  assert max(remat) < 0.6 * min(plain), (remat, plain)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(mode="some"), "mode must be one of"),
+    (dict(mode="list_of_layers"), "layer_names"),
+    (dict(mode="full", layer_names=["a"]), "layer_names is for"),
+    (dict(mode="larger_than", output_size_threshold=-1), "output_size"),
+    (dict(mode="full", policy="no_such_policy"), "no_such_policy"),
+])
+def test_bad_arguments_fail_before_any_scope_is_entered(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    tfremat.RematScope(**kwargs)
+  assert keras.layers.Dense(2)._remat_mode is None  # pylint: disable=protected-access
