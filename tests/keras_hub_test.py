@@ -1,5 +1,6 @@
-"""KerasHub backbones under a budget: the padding mask every transformer
-layer reads is the chain's context, so the layers become the chain's units.
+"""KerasHub backbones under a budget (the padding mask every transformer
+layer reads is the chain's context, so the layers become the chain's units),
+in each remat_model mode, and made inside tfremat.RematScope.
 
 Slow on 2 cores and needs keras-hub (pip install ".[hub]"): CI installs it
 and runs these in its second stage.
@@ -123,3 +124,39 @@ def test_every_mode_is_exact_and_peaks_at_most_the_original(name):
   # Measured: 0.34x-0.40x.
   for m in ("full", "larger_than"):
     assert max(peaks[m]) <= 0.5 * original, (m, peaks)
+
+
+@pytest.mark.slow
+def test_a_backbone_made_in_remat_scope_is_exact_and_peaks_lower():
+  keras.utils.set_random_seed(0)
+  names = [f"transformer_layer_{i}" for i in range(_SIZES["num_layers"])]
+  with tfremat.RematScope(mode="list_of_layers", layer_names=names):
+    model = _backbone("gpt2")
+  assert [l.name for l in model.transformer_layers] == names
+  batch = _batch("gpt2")
+  layers = list(model._flatten_layers())  # pylint: disable=protected-access
+  modes = [l._remat_mode for l in layers]  # pylint: disable=protected-access
+
+  def plain(run):
+    """Runs `run` with every layer's remat mode off: the plain backbone."""
+    for layer in layers:
+      object.__setattr__(layer, "_remat_mode", None)
+    try:
+      return run()
+    finally:
+      for layer, mode in zip(layers, modes):
+        object.__setattr__(layer, "_remat_mode", mode)
+
+  def call(remat, inputs):
+    run = lambda: model(inputs, training=True)
+    return run() if remat else plain(run)
+
+  for mode in ("function", "xla"):
+    assert_parity(call, (batch,), model.trainable_weights, mode, "/CPU:0",
+                  state=model.variables)
+  step = chain.training_step(model)
+  scoped = measure.peaks(step, batch, calls=3)
+  original = plain(lambda: measure.peaks(chain.training_step(model), batch,
+                                         calls=3))
+  # Measured with 4 layers: 29-31 MiB against 85-87 MiB.
+  assert max(scoped) <= 0.6 * min(original), (scoped, original)
