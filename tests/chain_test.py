@@ -247,6 +247,30 @@ def test_policies_keeping_the_same_tensors_share_one_timing(monkeypatch):
       plan).split("\n")[1], str(plan)
 
 
+def test_a_policy_keeping_nothing_of_a_layer_costs_a_full_recompute(
+    monkeypatch):
+  # Without dropout, masks_saveable keeps nothing of this block: rerun under
+  # it, the block runs the program of a full recompute. Its cost is that
+  # one's (the forward time), not a timing of its own, which cost a trace
+  # per layer while planning and could rank the two programs apart by noise.
+  timed = []
+
+  def fake_median_seconds(fns, *args, repeats=5):
+    del args, repeats
+    timed.extend(fns)
+    return [1.0, 2.0] + [10.0 * (i + 1) for i in range(len(fns) - 2)]
+
+  monkeypatch.setattr(measure, "median_seconds", fake_median_seconds)
+  block = models.residual_mlp(1, 16, dropout=0.0, residual_inside=True)[0]
+  x = tf.random.stateless_normal([8, 16], seed=[4, 4])
+  names = ("masks_saveable", "dots_saveable")
+  cost, _ = chain.measure_layer(block, x, repeats=3, policies=names)
+  assert len(timed) == 3  # forward, plain step, dots.
+  assert cost.policy_costs["masks_saveable"] == [0, cost.forward_seconds]
+  assert cost.policy_costs["dots_saveable"][1] == 10.0 - 2.0
+  assert cost.policy_keeps["masks_saveable"] == "nothing"
+
+
 @pytest.mark.parametrize("model", [
     "mlp",
     # Slow on 2 cores: CI runs it in its second stage (pytest -m slow).

@@ -586,9 +586,10 @@ def measure_layer(layer, x, repeats=5, policies=()):
   rematerialized under it is read from one traced forward pass (as
   `tfremat.saved_residuals` lists it), and what rematerializing it costs is
   the measured time of its training step so rematerialized, less that of
-  the plain step. Policies that keep the same tensors of this layer (on a layer
-  without softmax, `masks_saveable` and `masks_and_softmax_saveable`) are
-  timed once and share the measurement, so noise cannot rank equals.
+  the plain step. Policies that keep the same tensors of this layer (on a
+  layer without softmax, `masks_saveable` and `masks_and_softmax_saveable`)
+  are timed once and share the measurement, so noise cannot rank equals; one
+  that keeps nothing of it runs a full recompute and costs the forward time.
   """
 
   forward = measure.replicated(lambda x: layer(x, training=True))
@@ -616,14 +617,17 @@ def measure_layer(layer, x, repeats=5, policies=()):
     keeps[p] = _kinds_kept(found)
     alike = tuple((r.what.split()[0], r.shape, r.dtype) for r in found)
     first_alike[p] = first_alike.setdefault(alike, p)
-  timed = [p for p in policies if first_alike[p] == p]
+  # A policy keeping nothing of this layer runs a full recompute's program:
+  # it costs what that costs (the forward time), untimed.
+  timed = [p for p in policies if first_alike[p] == p and kept[p]]
   policy_steps = [training_step(RematerializationLayer(layer, policy=p))
                   for p in timed]
   fwd_s, both_s, *policy_s = measure.median_seconds(
       [forward, once] + policy_steps, x, repeats=repeats)
   seconds = dict(zip(timed, policy_s))
-  policy_costs = {p: [kept[p], max(0.0, seconds[first_alike[p]] - both_s)]
-                  for p in policies}
+  policy_costs = {
+      p: ([kept[p], max(0.0, seconds[first_alike[p]] - both_s)] if kept[p]
+          else [0, fwd_s]) for p in policies}
   cost = planner.LayerCost(
       name=layer.name,
       forward_seconds=fwd_s,
