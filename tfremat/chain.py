@@ -610,24 +610,27 @@ def measure_layer(layer, x, repeats=5, policies=()):
     del tape, held
   saved = max(0, saved)
   fwd_peak = measure.peak_bytes(forward, x)
-  kept, keeps, first_alike = {}, {}, {}
+  kept, keeps, first_alike, empty = {}, {}, {}, set()
   for p, found in zip(policies, residuals.policy_residuals(
       lambda h: layer(h, training=True), x, among=policies)):
     kept[p] = found.total_bytes
     keeps[p] = _kinds_kept(found)
     alike = tuple((r.what.split()[0], r.shape, r.dtype) for r in found)
     first_alike[p] = first_alike.setdefault(alike, p)
-  # A policy keeping nothing of this layer runs a full recompute's program:
-  # it costs what that costs (the forward time), untimed.
-  timed = [p for p in policies if first_alike[p] == p and kept[p]]
+    if not found:
+      # Keeping nothing of this layer, it runs a full recompute's program:
+      # it costs what that costs (the forward time), untimed.
+      empty.add(p)
+  timed = [p for p in policies if first_alike[p] == p and p not in empty]
   policy_steps = [training_step(RematerializationLayer(layer, policy=p))
                   for p in timed]
   fwd_s, both_s, *policy_s = measure.median_seconds(
       [forward, once] + policy_steps, x, repeats=repeats)
   seconds = dict(zip(timed, policy_s))
   policy_costs = {
-      p: ([kept[p], max(0.0, seconds[first_alike[p]] - both_s)] if kept[p]
-          else [0, fwd_s]) for p in policies}
+      p: ([0, fwd_s] if p in empty else
+          [kept[p], max(0.0, seconds[first_alike[p]] - both_s)])
+      for p in policies}
   cost = planner.LayerCost(
       name=layer.name,
       forward_seconds=fwd_s,
