@@ -67,7 +67,9 @@ def _parity(model, x, mode, device):
 
 @pytest.mark.parametrize("scope_mode, kwargs", [
     ("full", {}), ("larger_than", {"output_size_threshold": 8 * 32}),
-    ("activations", {}), ("list_of_layers", {"layer_names": ["block1"]})])
+    ("activations", {}), ("list_of_layers", {"layer_names": ["block1"]}),
+    ("list_of_layers", {"layer_names": ["block0", "block2"],
+                        "policy": "dots_saveable"})])
 @pytest.mark.parametrize("device, mode", DEVICE_MODES)
 def test_gradients_and_state_equal_the_plain_model(device, mode, scope_mode,
                                                    kwargs):
@@ -119,6 +121,30 @@ def test_each_mode_chooses_what_keras_remat_scope_would(monkeypatch):
   assert count(mode="activations") == 1
   assert count(mode="activations", activation="relu") == 0
   assert count(mode=None) == 0
+
+
+def test_the_innermost_scope_decides_and_keeps_its_policy(monkeypatch):
+  kept = []
+  monkeypatch.setattr(remat_lib, "_observers", [kept])
+  keras.utils.set_random_seed(0)
+  with tfremat.RematScope(mode="full"):
+    with keras.RematScope(mode=None):
+      plain = _blocks(count=1)
+    with tfremat.RematScope(mode="list_of_layers", layer_names=["block0"],
+                            policy="dots_saveable"):
+      scoped = _blocks(count=1)
+  x = tf.random.stateless_normal([8, 32], seed=[1, 2])
+  models = _model(plain), _model(scoped)
+
+  @tf.function
+  def step(x):
+    with tf.GradientTape() as tape:
+      y = models[0](x, training=True) + models[1](x, training=True)
+    return tape.gradient(y, scoped[0].trainable_variables)
+
+  step.get_concrete_function(x)
+  # One rematerialized call: the named block, keeping its two products.
+  assert len(kept) == 1 and len(kept[0].saver.saved) == 2, kept
 
 
 def test_layers_made_elsewhere_are_left_to_keras(monkeypatch):
