@@ -16,9 +16,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfremat import measure
-from tfremat import errors
 from tfremat import policies
 from tfremat._src import remat
+from tfremat._src import selective
 
 __all__ = [
     "saved_residuals",
@@ -149,21 +149,13 @@ def policy_residuals(fn, *xs, among=()):
   found = []
   for policy, one_trace in zip(fns, together):
     if one_trace:
-      kept = _kept(s for s in everything if _keeps(policy, s.info))
+      kept = _kept(s for s in everything
+                   if selective.keeps(policy, s.info))
     else:
       kept = [r for r in saved_residuals(fn, *xs, policy=policy)
               if r.source == "policy"]
     found.append(Residuals(kept, policies.name_of(policy)))
   return found
-
-
-def _keeps(policy, info):
-  keep = policy(info)
-  if keep is not None and not isinstance(keep, (bool, np.bool_)):
-    raise errors.InvalidTypeError(
-        f"A save policy must return True or False; "
-        f"{policies.name_of(policy)} returned {keep!r} for {info}.")
-  return bool(keep)
 
 
 def _traced_call(fn, xs, policy_fn):

@@ -39,6 +39,7 @@ from tfremat._src import watch
 
 __all__ = [
     "describe",
+    "keeps",
     "Saved",
     "ForwardSaver",
     "in_graph",
@@ -132,6 +133,17 @@ def describe(op, checkpoint_name=None):
 def _signature(op):
   return tuple((tuple(t.shape.as_list()) if t.shape.rank is not None else None,
                 t.dtype) for t in op.outputs)
+
+
+def keeps(policy, info):
+  """Whether `policy` keeps the op `info` (a `policies.Op`) describes; a
+  policy answering anything but True, False or None is refused."""
+  keep = policy(info)
+  if keep is not None and not isinstance(keep, (bool, np.bool_)):
+    raise errors.InvalidTypeError(
+        f"A save policy must return True or False; "
+        f"{policies.name_of(policy)} returned {keep!r} for {info}.")
+  return bool(keep)
 
 
 class Saved:
@@ -253,11 +265,7 @@ class ForwardSaver(_OpWatcher):
     self._index_of_op[id(op)] = (kind, index)
     name = kind[1] if isinstance(kind, tuple) else None
     info = describe(op, name)
-    keep = self.policy(info)
-    if keep is not None and not isinstance(keep, (bool, np.bool_)):
-      raise errors.InvalidTypeError(
-          f"A save policy must return True or False; "
-          f"{policies.name_of(self.policy)} returned {keep!r} for {info}.")
+    keep = keeps(self.policy, info)
     if keep:
       self.saved[(kind, index)] = Saved(kind, index, info, list(op.outputs),
                                         signature)
