@@ -212,26 +212,33 @@ def test_an_unreachable_fraction_names_the_lowest_and_what_dominates_it():
       r"holds, by the cost model: the weight gradients: 3.0 MiB")):
     tfremat.remat_sequential(blocks, budget=0.5, sample_input=x, verbose=0)
 
+def _measured_on_a_fake_clock(monkeypatch, dropout, names):
+  """measure_layer's cost of a residual MLP block under the policies
+  `names`, with a clock that gives the forward pass 1 s, the plain step 2 s
+  and the policies' steps 10 s, 20 s, ... in order; and the steps timed."""
+  timed = []
+
+  def fake_median_seconds(fns, *args, repeats=5):
+    del args, repeats
+    timed.extend(fns)
+    return [1.0, 2.0] + [10.0 * (i + 1) for i in range(len(fns) - 2)]
+
+  monkeypatch.setattr(measure, "median_seconds", fake_median_seconds)
+  block = models.residual_mlp(1, 16, dropout=dropout, residual_inside=True)[0]
+  x = tf.random.stateless_normal([8, 16], seed=[4, 4])
+  cost, _ = chain.measure_layer(block, x, repeats=3, policies=names)
+  return cost, timed
+
+
 def test_policies_keeping_the_same_tensors_share_one_timing(monkeypatch):
   # On a layer without softmax, masks_and_softmax_saveable keeps what
   # masks_saveable keeps: timed once, they cannot be told apart by noise.
   # dots_and_masks_saveable keeps more, and is timed on its own. The clock
   # is replaced, so the test reads which steps were timed, not noise (on a
   # layer this small real times clamp to 0 and two can be equal by chance).
-  timed = []
-
-  def fake_median_seconds(fns, *args, repeats=5):
-    del args, repeats
-    timed.extend(fns)
-    # forward, plain step, then one step per distinct policy.
-    return [1.0, 2.0] + [10.0 * (i + 1) for i in range(len(fns) - 2)]
-
-  monkeypatch.setattr(measure, "median_seconds", fake_median_seconds)
-  block = models.residual_mlp(1, 16, dropout=0.3, residual_inside=True)[0]
-  x = tf.random.stateless_normal([8, 16], seed=[4, 4])
   names = ("masks_saveable", "masks_and_softmax_saveable",
            "dots_and_masks_saveable")
-  cost, _ = chain.measure_layer(block, x, repeats=3, policies=names)
+  cost, timed = _measured_on_a_fake_clock(monkeypatch, 0.3, names)
   masks, masks_softmax, dots = (cost.policy_costs[n] for n in names)
   assert len(timed) == 4  # forward, plain step, masks, dots.
   assert masks == masks_softmax
@@ -253,18 +260,8 @@ def test_a_policy_keeping_nothing_of_a_layer_costs_a_full_recompute(
   # it, the block runs the program of a full recompute. Its cost is that
   # one's (the forward time), not a timing of its own, which cost a trace
   # per layer while planning and could rank the two programs apart by noise.
-  timed = []
-
-  def fake_median_seconds(fns, *args, repeats=5):
-    del args, repeats
-    timed.extend(fns)
-    return [1.0, 2.0] + [10.0 * (i + 1) for i in range(len(fns) - 2)]
-
-  monkeypatch.setattr(measure, "median_seconds", fake_median_seconds)
-  block = models.residual_mlp(1, 16, dropout=0.0, residual_inside=True)[0]
-  x = tf.random.stateless_normal([8, 16], seed=[4, 4])
   names = ("masks_saveable", "dots_saveable")
-  cost, _ = chain.measure_layer(block, x, repeats=3, policies=names)
+  cost, timed = _measured_on_a_fake_clock(monkeypatch, 0.0, names)
   assert len(timed) == 3  # forward, plain step, dots.
   assert cost.policy_costs["masks_saveable"] == [0, cost.forward_seconds]
   assert cost.policy_costs["dots_saveable"][1] == 10.0 - 2.0
