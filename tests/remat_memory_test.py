@@ -12,7 +12,6 @@ import tensorflow as tf
 
 import tfremat
 from tfremat import measure
-from tfremat import models
 
 _RATIO = textwrap.dedent("""
     import json, sys
