@@ -54,15 +54,15 @@ def _plain(model):
       object.__setattr__(layer, "_remat_mode", mode)
 
 
-def _parity(model, x, mode, device):
+def _call(model):
+  """`call(remat, x)` for assert_parity: the model, or the model plain."""
   def call(remat, x):
     if remat:
       return model(x, training=True)
     with _plain(model):
       return model(x, training=True)
 
-  assert_parity(call, (x,), model.trainable_variables, mode, device,
-                state=model.variables)
+  return call
 
 
 @pytest.mark.parametrize("scope_mode, kwargs", [
@@ -79,7 +79,8 @@ def test_gradients_and_state_equal_the_plain_model(device, mode, scope_mode,
       blocks = _blocks()
     model = _model(blocks)
   x = tf.random.stateless_normal([8, 32], seed=[1, 2])
-  _parity(model, x, mode, device)
+  assert_parity(_call(model), (x,), model.trainable_variables, mode, device,
+                state=model.variables)
 
 
 def _rematerialized_calls(monkeypatch):
