@@ -14,8 +14,6 @@ carry the same modes, marked as tfremat's; the hook routes them to
 `keras.RematScope`, or in no scope, are left to Keras.
 """
 
-import math
-
 import keras
 
 from tfremat import errors
@@ -144,8 +142,8 @@ def _output_size(layer, args, kwargs):
     spec = layer.compute_output_spec(*args, **kwargs)
   except Exception:  # pylint: disable=broad-except
     return 0
-  return sum(math.prod(d or 1 for d in t.shape)
-             for t in keras.tree.flatten(spec) if hasattr(t, "shape"))
+  return remat_model._elements(  # pylint: disable=protected-access
+      [t for t in keras.tree.flatten(spec) if hasattr(t, "shape")])
 
 
 def _activation_call(layer, layer_call):
