@@ -17,6 +17,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # allocator only; TensorFlow starts below, before tfremat could set it.
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
+import keras  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -240,3 +241,25 @@ def assert_serves_without_tfremat(model, x, tmp_path, how="model.export"):
       check=True, cwd=str(tmp_path),
       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=""))
   assert_trees_close(np.load(tmp_path / "y.npy"), expected)
+
+
+class FeedForward(keras.layers.Layer):
+  """Dense(1024, activation) -> Dense(width), made in `build` with the
+  block's activation handed to the first Dense, as KerasHub's transformer
+  layers make theirs: the Dense applies it, not the block's `call`."""
+
+  def __init__(self, activation="gelu", own_activation=True, **kwargs):
+    super().__init__(**kwargs)
+    self._function = keras.activations.get(activation)
+    if own_activation:
+      self.activation = self._function
+
+  def build(self, input_shape):
+    self.up = keras.layers.Dense(1024, activation=self._function)
+    self.up.build(input_shape)
+    self.down = keras.layers.Dense(input_shape[-1])
+    self.down.build(tuple(input_shape[:-1]) + (1024,))
+
+  def call(self, x, training=None):
+    del training  # Its layers have no training behaviour.
+    return self.down(self.up(x))

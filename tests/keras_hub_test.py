@@ -117,17 +117,20 @@ def test_every_mode_is_exact_and_peaks_at_most_the_original(name):
       peaks[m] += measure.peaks(step, batch, calls=3)
   # The original's peak moves between calls (83-89 MiB on GPT2 with 4
   # layers: executor orderings); a mode that keeps the same tensors moves
-  # within that range. "activations" does not stay within it on GPT2 with
-  # 8 layers: recomputing its gelu peaked at 176.5 MiB against 170.6-172.5
-  # MiB (1.02x) in a CI rehearsal. Held to 1.05x here, a known excess.
+  # within that range. (A mode that selects nothing runs the original's
+  # program: its peaks say nothing more.)
   original = max(peaks["original"])
   noise = original - min(peaks["original"])
-  for m in ("full", "larger_than"):
+  for m in set(modes) - selected_nothing:
     assert max(peaks[m]) <= original + noise, (m, peaks)
-  assert max(peaks["activations"]) <= 1.05 * original + noise, peaks
-  # Measured: 0.34x-0.40x.
+  # Measured with 8 layers: "full" and "larger_than" 0.34x-0.40x;
+  # "activations" 0.73x on GPT2 and BERT, whose blocks hand their gelu to
+  # the feed-forward Dense they make (recomputing the blocks' own attribute
+  # alone recomputed nothing: 1.00x).
   for m in ("full", "larger_than"):
     assert max(peaks[m]) <= 0.5 * original, (m, peaks)
+  if name in ("gpt2", "bert"):
+    assert max(peaks["activations"]) <= 0.85 * original, peaks
 
 
 @pytest.mark.slow

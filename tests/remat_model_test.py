@@ -19,7 +19,8 @@ from tfremat import models
 from tfremat.remat_model import RematerializeActivation
 from tfremat.remat_model import chain_units
 from tfremat.remat_model import remat_model
-from conftest import DEVICES, assert_parity, assert_serves_without_tfremat
+from conftest import DEVICES, FeedForward, assert_parity
+from conftest import assert_serves_without_tfremat
 from conftest import assert_trees_close
 
 
@@ -248,6 +249,38 @@ def test_activations_recomputes_functions_whose_gradient_keeps_more(
       peaks[i] += measure.peaks(step, x, calls=2)
   # Measured: gelu 49 MiB against 73.5 MiB.
   assert max(peaks[1]) < 0.9 * min(peaks[0]), peaks
+
+
+@pytest.mark.parametrize("own_activation", [True, False],
+                         ids=["block_has_activation", "only_inside"])
+def test_activations_recomputes_the_activation_of_layers_inside_a_block(
+    own_activation):
+  # The block's own `activation` attribute, if it has one, is not what its
+  # call runs: swapping it alone recomputed nothing, and GPT2's and BERT's
+  # blocks peaked as the original's.
+  keras.utils.set_random_seed(8)
+  inputs = keras.Input((128,))
+  h = inputs
+  for i in range(4):
+    h = FeedForward(own_activation=own_activation, name=f"ffn{i}")(h)
+  model = keras.Model(inputs, h)
+  x = tf.random.stateless_normal([1024, 128], seed=[1, 2])
+  rematerialized = remat_model(model, "activations")
+  assert sorted(l.layer.name for l in _wrapped(rematerialized)) == [
+      f"ffn{i}" for i in range(4)]
+  assert_parity(lambda remat, h: (rematerialized if remat else model)(
+      h, training=True), (x,), model.trainable_weights, "function",
+                "/CPU:0")
+  steps = [tfremat.chain.training_step(m) for m in (model, rematerialized)]
+  peaks = [[], []]
+  for _ in range(2):
+    for i, step in enumerate(steps):
+      peaks[i] += measure.peaks(step, x, calls=2)
+  assert max(peaks[1]) < 0.9 * min(peaks[0]), peaks
+  # The blocks' layers are as they were after the calls.
+  for i in range(4):
+    block = model.get_layer(f"ffn{i}")
+    assert block.up.activation is block._function
 
 
 def test_the_result_trains_the_original_weights_and_saves(tmp_path):

@@ -16,7 +16,8 @@ import tfremat
 from tfremat import chain
 from tfremat import measure
 from tfremat._src import remat as remat_lib
-from conftest import DEVICE_MODES, assert_parity, assert_trees_close
+from conftest import DEVICE_MODES, FeedForward, assert_parity
+from conftest import assert_trees_close
 
 
 def _blocks(count=3, width=32, dropout=0.3, activation="gelu"):
@@ -122,6 +123,27 @@ def test_each_mode_chooses_what_keras_remat_scope_would(monkeypatch):
   assert count(mode="activations") == 1
   assert count(mode="activations", activation="relu") == 0
   assert count(mode=None) == 0
+
+
+@pytest.mark.parametrize("built_in_scope", [True, False])
+def test_activations_reach_a_dense_the_block_makes_in_build(monkeypatch,
+                                                            built_in_scope):
+  # KerasHub's transformer layers hand their activation to the Dense they
+  # make in `build`. Built inside the scope, that Dense has the mode itself;
+  # built outside it, the block recomputes the Dense's function. Either way
+  # it is recomputed once, not nested.
+  calls = _rematerialized_calls(monkeypatch)
+  x = tf.random.stateless_normal([8, 32], seed=[1, 2])
+  keras.utils.set_random_seed(0)
+  with tfremat.RematScope(mode="activations"):
+    block = FeedForward(name="ffn")
+    if built_in_scope:
+      block.build(x.shape)
+  with tf.GradientTape() as tape:
+    y = block(x, training=True)
+  assert len(calls) == 1
+  assert tape.gradient(y, block.trainable_variables)[0] is not None
+  assert block.up.activation is block.activation
 
 
 def test_the_innermost_scope_decides_and_keeps_its_policy(monkeypatch):

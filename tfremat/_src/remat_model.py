@@ -14,6 +14,7 @@ activations are recomputed in the backward pass, exactly. The modes mean what
 recomputation would cost memory.
 """
 
+import contextlib
 import difflib
 import functools
 import math
@@ -44,17 +45,19 @@ MODES = ("full", "activations", "larger_than", "list_of_layers")
 
 @keras.saving.register_keras_serializable(package="tfremat")
 class RematerializeActivation(keras.layers.Wrapper):
-  """Runs a layer with only its activation function rematerialized.
+  """Runs a layer with only its activation functions rematerialized.
 
-  The layer's `activation` is recomputed in the backward pass; the rest of
-  its call (the matrix product of a Dense, say) is kept as without remat,
-  as under `keras.RematScope(mode="activations")`.
+  The activation of the layer, and of each layer inside it, whose
+  recomputation frees memory (`activation_layers`) is recomputed in the
+  backward pass; the rest of the call (the matrix product of a Dense, say)
+  is kept as without remat, as under `keras.RematScope(mode="activations")`.
   """
 
   def __init__(self, layer, **kwargs):
-    if getattr(layer, "activation", None) is None:
+    if not activation_layers(layer):
       raise errors.InvalidArgumentError(
-          f"RematerializeActivation needs a layer with an activation; "
+          f"RematerializeActivation needs a layer with an activation whose "
+          f"recomputation frees memory, its own or a layer's inside it; "
           f"{layer.name} ({type(layer).__name__}) has none.")
     kwargs.setdefault("name", f"remat_activation_{layer.name}")
     super().__init__(layer, **kwargs)
@@ -65,12 +68,8 @@ class RematerializeActivation(keras.layers.Wrapper):
     self.built = True
 
   def call(self, inputs, *args, **kwargs):
-    activation = self.layer.activation
-    self.layer.activation = lambda h: remat.RematerializeFn(activation, h)
-    try:
+    with activations_rematerialized(activation_layers(self.layer)):
       return self.layer(inputs, *args, **kwargs)
-    finally:
-      self.layer.activation = activation
 
   def compute_output_shape(self, *args, **kwargs):
     return self.layer.compute_output_shape(*args, **kwargs)
@@ -283,22 +282,49 @@ def _chooser(model, mode, output_size_threshold, sample_input, layer_names):
     return lambda layer: sizes.get(
         id(layer), _output_size(layer)) > output_size_threshold
   if mode == "activations":
-    return _has_activation
+    return lambda layer: bool(activation_layers(layer))
   return lambda layer: layer.name in layer_names
 
 
 def _has_activation(layer):
-  """Whether "activations" recomputes `layer`'s activation function: a layer
-  with one whose recomputation frees memory (`_recomputing_frees`), other
-  than a layer that is nothing but its activation (`keras.layers.Activation`).
-  Recomputed, that one keeps its input, which the layer before it produced
-  and, without rematerialization, frees once the activation has run (a
-  BatchNormalization's output in a CNN), while the layer after it still
-  keeps the activation's output."""
+  """Whether "activations" recomputes `layer`'s own activation function: a
+  layer with one whose recomputation frees memory (`_recomputing_frees`),
+  other than a layer that is nothing but its activation
+  (`keras.layers.Activation`). Recomputed, that one keeps its input, which
+  the layer before it produced and, without rematerialization, frees once
+  the activation has run (a BatchNormalization's output in a CNN), while the
+  layer after it still keeps the activation's output."""
   activation = getattr(layer, "activation", None)
   return (activation is not None and
           not isinstance(layer, keras.layers.Activation) and
           _recomputing_frees(activation, layer.compute_dtype or "float32"))
+
+
+def activation_layers(layer):
+  """The layers whose activation "activations" recomputes when `layer` runs:
+  `layer` and the layers inside it, each where `_has_activation`. A block
+  may hand its `activation` to a Dense it makes (KerasHub's transformer
+  layers do), so the Dense's, not the block's, is the one its call runs. A
+  functional or Sequential model has none of its own: `remat_model` goes
+  into it layer by layer."""
+  if _is_graph_model(layer):
+    return []
+  return [l for l in layer._flatten_layers()  # pylint: disable=protected-access
+          if _has_activation(l)]
+
+
+@contextlib.contextmanager
+def activations_rematerialized(layers):
+  """Within it, each of `layers` runs its activation function through
+  `RematerializeFn`; their own functions are put back on exit."""
+  saved = [(l, l.activation) for l in layers]
+  for layer, activation in saved:
+    layer.activation = functools.partial(remat.RematerializeFn, activation)
+  try:
+    yield
+  finally:
+    for layer, activation in saved:
+      layer.activation = activation
 
 
 def _recomputing_frees(activation, dtype):

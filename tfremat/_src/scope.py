@@ -19,7 +19,6 @@ import keras
 from tfremat import errors
 from tfremat import policies as policies_lib
 from tfremat._src import in_place
-from tfremat._src import remat
 from tfremat._src import remat_model
 
 __all__ = ["RematScope"]
@@ -130,7 +129,7 @@ def _hook(layer, layer_call, *args, **kwargs):
        layer._remat_mode.output_size_threshold)):  # pylint: disable=protected-access
     return in_place._rematerialized_call(  # pylint: disable=protected-access
         layer, mode.policy, layer_call)
-  if mode == "activations" and remat_model._has_activation(layer):  # pylint: disable=protected-access
+  if mode == "activations" and remat_model.activation_layers(layer):
     return _activation_call(layer, layer_call)
   return layer_call
 
@@ -147,18 +146,17 @@ def _output_size(layer, args, kwargs):
 
 
 def _activation_call(layer, layer_call):
-  """`layer_call` with only the layer's activation function rematerialized,
-  when it trains."""
+  """`layer_call` with only the activation functions rematerialized, when
+  it trains: the layer's and those of the layers inside it that carry no
+  tfremat mode of their own (made outside the scope, in `build`, say)."""
 
   def call(*args, **kwargs):
     if not in_place._training(kwargs):  # pylint: disable=protected-access
       return layer_call(*args, **kwargs)
-    activation = layer.activation
-    layer.activation = lambda h: remat.RematerializeFn(activation, h)
-    try:
+    inside = [l for l in remat_model.activation_layers(layer)
+              if l is layer or not isinstance(getattr(
+                  getattr(l, "_remat_mode", None), "mode", None), _Mode)]
+    with remat_model.activations_rematerialized(inside):
       return layer_call(*args, **kwargs)
-    finally:
-      layer.activation = activation
 
   return call
-
