@@ -140,20 +140,9 @@ def _check(model, mode, output_size_threshold, layer_names):
     raise errors.InvalidArgumentError(
         "remat_model needs a built model with known inputs: give a "
         "Sequential an Input (or call build) first.")
-  if mode not in MODES:
-    raise errors.InvalidArgumentError(
-        f"remat_model: mode must be one of {', '.join(MODES)}; got {mode!r}.")
-  if mode == "larger_than" and (
-      isinstance(output_size_threshold, bool) or
-      not isinstance(output_size_threshold, int) or output_size_threshold < 0):
-    raise errors.InvalidArgumentError(
-        "remat_model: output_size_threshold must be a non-negative int (a "
-        f"number of elements); got {output_size_threshold!r}.")
+  check_mode_arguments("remat_model", mode, MODES, output_size_threshold,
+                       layer_names)
   if mode == "list_of_layers":
-    if isinstance(layer_names, str) or not layer_names:
-      raise errors.InvalidArgumentError(
-          "remat_model: mode=\"list_of_layers\" needs layer_names, a "
-          f"non-empty list of layer names; got {layer_names!r}.")
     names = {l.name for l in _all_layers(model)}
     unknown = [n for n in layer_names if n not in names]
     if unknown:
@@ -162,9 +151,32 @@ def _check(model, mode, output_size_threshold, layer_names):
       raise errors.InvalidArgumentError(
           f"remat_model: no layers named {unknown} in {model.name} (close: "
           f"{hints}). Its layers: {', '.join(sorted(names))}.")
-  elif layer_names is not None:
+
+
+def check_mode_arguments(caller, mode, modes, output_size_threshold,
+                         layer_names):
+  """Raises, with a message starting with `caller`, on a mode not in
+  `modes`, a threshold that is not a number of elements, or layer names
+  missing for "list_of_layers" or given for another mode: the checks
+  `remat_model` and `tfremat.RematScope` share."""
+  if mode not in modes:
     raise errors.InvalidArgumentError(
-        f"remat_model: layer_names is for mode=\"list_of_layers\", not "
+        f"{caller}: mode must be one of {', '.join(map(repr, modes))}; got "
+        f"{mode!r}.")
+  if (isinstance(output_size_threshold, bool) or
+      not isinstance(output_size_threshold, int) or output_size_threshold < 0):
+    raise errors.InvalidArgumentError(
+        f"{caller}: output_size_threshold must be a non-negative int (a "
+        f"number of elements of a layer's output); got "
+        f"{output_size_threshold!r}.")
+  if mode == "list_of_layers":
+    if isinstance(layer_names, str) or not layer_names:
+      raise errors.InvalidArgumentError(
+          f"{caller}: mode=\"list_of_layers\" needs layer_names, a "
+          f"non-empty list of layer names; got {layer_names!r}.")
+  elif layer_names:
+    raise errors.InvalidArgumentError(
+        f"{caller}: layer_names is for mode=\"list_of_layers\", not "
         f"{mode!r}.")
 
 

@@ -16,7 +16,6 @@ carry the same modes, marked as tfremat's; the hook routes them to
 
 import keras
 
-from tfremat import errors
 from tfremat import policies as policies_lib
 from tfremat._src import in_place
 from tfremat._src import remat_model
@@ -65,7 +64,8 @@ class RematScope:
 
   def __init__(self, mode="full", output_size_threshold=1024,
                layer_names=None, policy=None):
-    _check(mode, output_size_threshold, layer_names)
+    remat_model.check_mode_arguments("RematScope", mode, MODES,
+                                     output_size_threshold, layer_names)
     if policy is not None:
       policies_lib.get(policy)  # An unknown policy is refused here.
     marked = None
@@ -83,26 +83,6 @@ class RematScope:
 
   def __exit__(self, *exc_info):
     self._scope.__exit__(*exc_info)
-
-
-def _check(mode, output_size_threshold, layer_names):
-  if mode not in MODES:
-    raise errors.InvalidArgumentError(
-        f"RematScope: mode must be one of {', '.join(map(repr, MODES))}; "
-        f"got {mode!r}.")
-  if (not isinstance(output_size_threshold, int) or
-      isinstance(output_size_threshold, bool) or output_size_threshold < 0):
-    raise errors.InvalidArgumentError(
-        f"RematScope: output_size_threshold must be an int >= 0 (elements "
-        f"of a layer's output); got {output_size_threshold!r}.")
-  if mode == "list_of_layers" and not layer_names:
-    raise errors.InvalidArgumentError(
-        "RematScope: mode=\"list_of_layers\" needs layer_names, the names "
-        "of the layers to rematerialize.")
-  if mode != "list_of_layers" and layer_names:
-    raise errors.InvalidArgumentError(
-        f"RematScope: layer_names is for mode=\"list_of_layers\", not "
-        f"{mode!r}.")
 
 
 # Keras's own Layer.rematerialized_call, once routed.
