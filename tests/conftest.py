@@ -6,6 +6,7 @@ GPU. Without a GPU the GPU parameter is reported as skipped, not silently
 dropped.
 """
 
+import contextlib
 import functools
 import os
 import subprocess
@@ -263,3 +264,31 @@ class FeedForward(keras.layers.Layer):
   def call(self, x, training=None):
     del training  # Its layers have no training behaviour.
     return self.down(self.up(x))
+
+
+@contextlib.contextmanager
+def remat_modes_off(model):
+  """Runs `model` without rematerialization: every layer's remat mode (set
+  by `keras.RematScope` or `tfremat.RematScope`) off within the block."""
+  layers = list(model._flatten_layers())  # pylint: disable=protected-access
+  before = [l._remat_mode for l in layers]  # pylint: disable=protected-access
+  for layer in layers:
+    object.__setattr__(layer, "_remat_mode", None)
+  try:
+    yield
+  finally:
+    for layer, mode in zip(layers, before):
+      object.__setattr__(layer, "_remat_mode", mode)
+
+
+def scoped_or_plain(model):
+  """`call(remat, x)` for `assert_parity`: `model` as made in a remat scope
+  when `remat`, else with every layer's remat mode off."""
+
+  def call(remat, x):
+    if remat:
+      return model(x, training=True)
+    with remat_modes_off(model):
+      return model(x, training=True)
+
+  return call

@@ -15,7 +15,7 @@ import tensorflow as tf
 import tfremat
 from tfremat import chain
 from tfremat import measure
-from conftest import assert_parity
+from conftest import assert_parity, remat_modes_off, scoped_or_plain
 
 keras_hub = pytest.importorskip("keras_hub")
 
@@ -141,29 +141,12 @@ def test_a_backbone_made_in_remat_scope_is_exact_and_peaks_lower():
     model = _backbone("gpt2")
   assert [l.name for l in model.transformer_layers] == names
   batch = _batch("gpt2")
-  layers = list(model._flatten_layers())  # pylint: disable=protected-access
-  modes = [l._remat_mode for l in layers]  # pylint: disable=protected-access
-
-  def plain(run):
-    """Runs `run` with every layer's remat mode off: the plain backbone."""
-    for layer in layers:
-      object.__setattr__(layer, "_remat_mode", None)
-    try:
-      return run()
-    finally:
-      for layer, mode in zip(layers, modes):
-        object.__setattr__(layer, "_remat_mode", mode)
-
-  def call(remat, inputs):
-    run = lambda: model(inputs, training=True)
-    return run() if remat else plain(run)
-
   for mode in ("function", "xla"):
-    assert_parity(call, (batch,), model.trainable_weights, mode, "/CPU:0",
-                  state=model.variables)
+    assert_parity(scoped_or_plain(model), (batch,), model.trainable_weights,
+                  mode, "/CPU:0", state=model.variables)
   step = chain.training_step(model)
   scoped = measure.peaks(step, batch, calls=3)
-  original = plain(lambda: measure.peaks(chain.training_step(model), batch,
-                                         calls=3))
+  with remat_modes_off(model):
+    original = measure.peaks(chain.training_step(model), batch, calls=3)
   # Measured with 4 layers: 29-31 MiB against 85-87 MiB.
   assert max(scoped) <= 0.6 * min(original), (scoped, original)

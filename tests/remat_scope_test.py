@@ -6,8 +6,6 @@ TensorFlow, whose rerun draws new dropout masks. The same layers made inside
 without rematerialization, and layers made elsewhere are left alone.
 """
 
-import contextlib
-
 import keras
 import pytest
 import tensorflow as tf
@@ -17,7 +15,8 @@ from tfremat import chain
 from tfremat import measure
 from tfremat._src import remat as remat_lib
 from conftest import DEVICE_MODES, FeedForward, assert_parity
-from conftest import assert_trees_close
+from conftest import assert_trees_close, remat_modes_off
+from conftest import scoped_or_plain
 
 
 def _blocks(count=3, width=32, dropout=0.3, activation="gelu"):
@@ -37,35 +36,6 @@ def _model(blocks, width=32):
   return keras.Model(x, h)
 
 
-def _all_layers(model):
-  return [l for l in model._flatten_layers()]  # pylint: disable=protected-access
-
-
-@contextlib.contextmanager
-def _plain(model):
-  """Runs `model` without rematerialization: every layer's remat mode off."""
-  layers = _all_layers(model)
-  before = [l._remat_mode for l in layers]  # pylint: disable=protected-access
-  for layer in layers:
-    object.__setattr__(layer, "_remat_mode", None)
-  try:
-    yield
-  finally:
-    for layer, mode in zip(layers, before):
-      object.__setattr__(layer, "_remat_mode", mode)
-
-
-def _call(model):
-  """`call(remat, x)` for assert_parity: the model, or the model plain."""
-  def call(remat, x):
-    if remat:
-      return model(x, training=True)
-    with _plain(model):
-      return model(x, training=True)
-
-  return call
-
-
 @pytest.mark.parametrize("scope_mode, kwargs", [
     ("full", {}), ("larger_than", {"output_size_threshold": 8 * 32}),
     ("activations", {}), ("list_of_layers", {"layer_names": ["block1"]}),
@@ -80,8 +50,8 @@ def test_gradients_and_state_equal_the_plain_model(device, mode, scope_mode,
       blocks = _blocks()
     model = _model(blocks)
   x = tf.random.stateless_normal([8, 32], seed=[1, 2])
-  assert_parity(_call(model), (x,), model.trainable_variables, mode, device,
-                state=model.variables)
+  assert_parity(scoped_or_plain(model), (x,), model.trainable_variables, mode,
+                device, state=model.variables)
 
 
 def _rematerialized_calls(monkeypatch):
@@ -206,7 +176,7 @@ def test_a_scoped_chain_peaks_below_the_plain_one():
   model = _model(blocks, width=64)
   x = tf.random.stateless_normal([1024, 64], seed=[1, 2])
   remat = measure.peaks(chain.training_step(model), x, calls=3)
-  with _plain(model):
+  with remat_modes_off(model):
     plain = measure.peaks(chain.training_step(model), x, calls=3)
   # Each block holds four 1 MiB activations plain, its 256 KiB input
   # rematerialized.
