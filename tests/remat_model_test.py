@@ -286,6 +286,30 @@ def test_activations_recomputes_the_activation_of_layers_inside_a_block(
     assert block.up.activation is block._function
 
 
+class _LayerActivation(keras.layers.Layer):
+  """A block whose `activation` is a layer with weights, which it calls."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.dense = keras.layers.Dense(16)
+    self.activation = keras.layers.PReLU()
+
+  def call(self, x):
+    return self.activation(self.dense(x))
+
+
+def test_activations_leaves_an_activation_that_is_a_layer():
+  # Swapping it for a function would untrack the layer and its weights;
+  # "full" mode rematerializes such a block.
+  inputs = keras.Input((8,))
+  model = keras.Model(inputs, _LayerActivation(name="block")(inputs))
+  weights = len(model.weights)
+  with pytest.warns(UserWarning, match="selects no layer"):
+    rematerialized = remat_model(model, "activations")
+  assert not _wrapped(rematerialized)
+  assert len(model.weights) == weights == 3
+
+
 def test_the_result_trains_the_original_weights_and_saves(tmp_path):
   model, x = _two_inputs()
   rematerialized = remat_model(model, "full")
