@@ -302,10 +302,10 @@ def _has_activation(layer):
   """Whether "activations" recomputes `layer`'s own activation function: a
   layer with one (a function) whose recomputation frees memory
   (`_recomputing_frees`), other than a layer that is nothing but its
-  activation (`keras.layers.Activation`). Recomputed, that one keeps its input, which
-  the layer before it produced and, without rematerialization, frees once
-  the activation has run (a BatchNormalization's output in a CNN), while the
-  layer after it still keeps the activation's output."""
+  activation (`keras.layers.Activation`). Recomputed, that one keeps its
+  input, which the layer before it produced and, without rematerialization,
+  frees once the activation has run (a BatchNormalization's output in a
+  CNN), while the layer after it still keeps the activation's output."""
   activation = getattr(layer, "activation", None)
   # A function, not a name the layer looks up or a layer it calls (which
   # swapping would untrack): "full" mode rematerializes those.
