@@ -109,8 +109,15 @@ def _hook(layer, layer_call, *args, **kwargs):
        layer._remat_mode.output_size_threshold)):  # pylint: disable=protected-access
     return in_place._rematerialized_call(  # pylint: disable=protected-access
         layer, mode.policy, layer_call)
-  if mode == "activations" and remat_model.activation_layers(layer):
-    return _activation_call(layer, layer_call)
+  if mode == "activations":
+    # The layer's own activation, and those of the layers inside it that
+    # carry no tfremat mode of their own (made outside the scope, in
+    # `build`, say); the others recompute theirs themselves.
+    inside = [l for l in remat_model.activation_layers(layer)
+              if l is layer or not isinstance(getattr(
+                  getattr(l, "_remat_mode", None), "mode", None), _Mode)]
+    if inside:
+      return _activation_call(inside, layer_call)
   return layer_call
 
 
@@ -125,18 +132,14 @@ def _output_size(layer, args, kwargs):
       [t for t in keras.tree.flatten(spec) if hasattr(t, "shape")])
 
 
-def _activation_call(layer, layer_call):
-  """`layer_call` with only the activation functions rematerialized, when
-  it trains: the layer's and those of the layers inside it that carry no
-  tfremat mode of their own (made outside the scope, in `build`, say)."""
+def _activation_call(layers, layer_call):
+  """`layer_call` with only the activation functions of `layers`
+  rematerialized, when it trains."""
 
   def call(*args, **kwargs):
     if not in_place._training(kwargs):  # pylint: disable=protected-access
       return layer_call(*args, **kwargs)
-    inside = [l for l in remat_model.activation_layers(layer)
-              if l is layer or not isinstance(getattr(
-                  getattr(l, "_remat_mode", None), "mode", None), _Mode)]
-    with remat_model.activations_rematerialized(inside):
+    with remat_model.activations_rematerialized(layers):
       return layer_call(*args, **kwargs)
 
   return call
