@@ -643,7 +643,7 @@ def _eager_backward(forward, dys):
 class _GraphRerun:
   """A traced forward pass's rerun, in the same graph, made to wait for the
   incoming gradient (docs/design.md, "The rerun is the forward pass's own
-  program"), and differentiated with `tf.gradients`."""
+  program"), and differentiated with a gradient tape."""
 
   def __init__(self, forward, dys):
     self.forward = forward
@@ -679,35 +679,66 @@ class _GraphRerun:
     leaves = [self.tensor(x, not forward.inner_tape)
               if isinstance(x, tf.Tensor) else x for x in forward.leaves]
     # Trainable weights need no gate: every op reading them also reads a
-    # gated input. They get an identity of their own all the same:
-    # `tf.gradients` walks every op reachable from the tensors it
-    # differentiates, and from the forward pass's read that is the rest of
-    # the model, once per rematerialized call (a CNN's trace took twice the
-    # original's).
+    # gated input. They get an identity of their own all the same, so that
+    # the tape below watches a tensor only the rerun reads.
     values = [self.tensor(v, not variable.trainable, own=True)
               for variable, v in zip(forward.keras_variables,
                                      forward.keras_values)]
     targets = [s.rerun_target(self) for s in forward.sources]
-    reads = [(s.handle(), s.value) for s in forward.sources
-             if isinstance(s, _RawSource)]
-    replacer = self._replacer(leaves)
-    before = watch.last_op_id(self.graph)
-    with _forward_reads(reads), replacer:
-      rerun = _rerun(forward, leaves, values, self.gated(forward.seed),
-                     self.gated(forward.global_step))
-    if forward.saver is not None:
+    raw = [i for i, s in enumerate(forward.sources)
+           if isinstance(s, _RawSource)]
+    forward_reads = _forward_reads(
+        [(forward.sources[i].handle(), forward.sources[i].value)
+         for i in raw], self.graph)
+    also_read = self._also_read(targets, raw)
+    watched = targets + list(also_read.values())
+    # Asked before this call's own tape exists: whether a tape outside
+    # records the rerun (a second-order gradient).
+    replacer = self._replacer(leaves, record.should_record_backprop(watched))
+    seed, global_step = (self.gated(forward.seed),
+                         self.gated(forward.global_step))
+    # Invariant 8: the tape records only the rerun's own ops, so every
+    # source is a stop, whatever paths join them outside. Unlike
+    # `tf.gradients`, it also skips the gradients towards what it does not
+    # watch (a BatchNormalization's stopped mean), which `tf.gradients`
+    # builds and discards.
+    with tf.GradientTape(watch_accessed_variables=False) as tape:
+      tape.watch(watched)
+      with forward_reads, replacer or contextlib.nullcontext():
+        rerun = _rerun(forward, leaves, values, seed, global_step)
+    if replacer is not None:
       replacer.check()
     ys, dys = _checked_targets(forward, *rerun, dys)
-    grads = self._partials(ys, dys, targets, before)
-    if forward.saver is not None:
-      replacer.detach()
-    return grads
+    grads = tape.gradient(ys, watched, output_gradients=dys,
+                          unconnected_gradients=tf.UnconnectedGradients.NONE)
+    # A read the tape recorded in this graph already passed its gradient on
+    # to the handle.
+    passed_on = {raw[j] for j in forward_reads.read_in_graph}
+    for i, grad in zip(also_read, grads[len(targets):]):
+      if grad is not None and i not in passed_on:
+        grads[i] = grad if grads[i] is None else tf.add(grads[i], grad)
+    return grads[:len(targets)]
 
-  def _replacer(self, leaves):
-    """Puts what a policy kept in place of the rerun's ops (design.md,
-    "Save policies inside")."""
-    if self.forward.saver is None:
-      return contextlib.nullcontext()
+  def _also_read(self, targets, raw):
+    """Tensors the rerun also reads for a source (by its index), whose
+    gradients add to its target's: an input the function also reads by
+    closure (a tensor a tf.function captured, passed and closed over),
+    ungated there; and the forward-time read of each raw variable (indices
+    `raw`), which a loop or branch body captures (`_forward_reads`)."""
+    sources = self.forward.sources
+    also_read = {i: selective.in_graph(s.tensor, self.graph)
+                 for i, s in enumerate(sources)
+                 if isinstance(s, _InputSource) and targets[i] is not s.tensor}
+    also_read.update((i, selective.in_graph(sources[i].value, self.graph))
+                     for i in raw)
+    return also_read
+
+  def _replacer(self, leaves, second_order):
+    """What puts a policy's kept tensors in place of the rerun's ops
+    (design.md, "Save policies inside"); None where nothing was kept, or a
+    tape outside records the rerun, which must see the ops themselves."""
+    if self.forward.saver is None or second_order:
+      return None
     # Kept tensors are ordered after the gradient too. The runtime needs
     # only a control edge; a subtraction would be a pass over every kept
     # tensor (docs/design.md, "Save policies inside"). XLA ignores control
@@ -720,30 +751,6 @@ class _GraphRerun:
     return selective.RerunReplacer(
         self.forward.saver, RerunMismatchError, gated_kept,
         [x for x in leaves if isinstance(x, tf.Tensor)])
-
-  def _partials(self, ys, dys, targets, before):
-    """Invariant 8: every target is a stop, since one may depend on another
-    in the outer graph (an input computed from a weight the block also
-    reads), and the gradient computation outside adds that path itself. An
-    input the function also reads by closure (a tensor a tf.function
-    captured, passed and closed over) is read ungated there: its gradient
-    is the sum over both reads. Only inputs that an op of the rerun (made
-    after op id `before`) reads so are differentiated twice: `tf.gradients`
-    walks every op reachable from what it differentiates, and from an input
-    as the forward pass read it, that is the rest of the model."""
-    also_read = {}
-    for i, s in enumerate(self.forward.sources):
-      if isinstance(s, _InputSource) and self.tensor(s.tensor) is not s.tensor:
-        original = selective.in_graph(s.tensor, self.graph)
-        if any(op._id > before for op in original.consumers()):  # pylint: disable=protected-access
-          also_read[i] = original
-    xs = targets + list(also_read.values())
-    grads = tf.gradients(ys, xs, grad_ys=dys, stop_gradients=xs,
-                         unconnected_gradients=tf.UnconnectedGradients.NONE)
-    for i, extra in zip(also_read, grads[len(targets):]):
-      if extra is not None:
-        grads[i] = extra if grads[i] is None else tf.add(grads[i], extra)
-    return grads[:len(targets)]
 
 
 def _rerun(forward, leaves, keras_values, seed, global_step):
@@ -987,25 +994,38 @@ class _forward_reads(watch.Handler):  # pylint: disable=invalid-name
   each `ReadVariableOp` of a variable in `reads` ((handle, forward-time
   read) pairs) returns that read instead, so an assignment between the two
   passes changes nothing, as without rematerialization (invariant 5).
+
+  A gradient tape records such a read in `graph` as the handle's read, so
+  the gradient reaching the forward-time read flows on to the handle. A
+  loop or branch body captures the forward-time read instead, and the tape
+  sees only that capture: `read_in_graph` lists the pairs (by index) read
+  in `graph` itself.
   """
 
-  def __init__(self, reads):
+  def __init__(self, reads, graph):
     self._reads = reads
+    self._graph = graph
     self._handles = {}
+    self.read_in_graph = set()
 
   def _handle_ids(self, graph):
     if graph not in self._handles:
       ids = {}
-      for handle, read in self._reads:
-        ids[id(selective.in_graph(handle, graph))] = read
+      for i, (handle, read) in enumerate(self._reads):
+        ids[id(selective.in_graph(handle, graph))] = i, read
       self._handles[graph] = ids
     return self._handles[graph]
 
   def on_op(self, op_type, inputs, outputs, op_name, graph):
     if op_type != "ReadVariableOp" or graph is None:
       return outputs
-    read = self._handle_ids(graph).get(id(inputs[0]))
-    return outputs if read is None else [selective.in_graph(read, graph)]
+    found = self._handle_ids(graph).get(id(inputs[0]))
+    if found is None:
+      return outputs
+    i, read = found
+    if graph is self._graph:
+      self.read_in_graph.add(i)
+    return [selective.in_graph(read, graph)]
 
   def __enter__(self):
     return super().__enter__() if self._reads else self

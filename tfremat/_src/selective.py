@@ -5,9 +5,10 @@ callback (`ForwardSaver`) shows each op added to the forward graph to the
 policy and keeps the outputs of those it chooses. While the backward pass's
 rerun is traced, another (`RerunReplacer`) meets the same ops again, in the
 same order, and replaces each chosen op's outputs with the kept tensors. The
-replacement carries the op's own registered gradient, computed from the
+gradient tape that differentiates the rerun records the op with the kept
+tensors as its outputs, so the op's registered gradient is computed from the
 rerun's inputs to the op and the kept outputs; nothing reads the rerun's op
-any more, so the graph runtime (or XLA) prunes it and, with it, everything
+itself, so the graph runtime (or XLA) prunes it and, with it, everything
 upstream that only it needed.
 
 Ops are matched by kind and order: the k-th op of a kind in the rerun is the
@@ -23,15 +24,14 @@ ops computed from weights, seeds or constants alone, ops whose outputs are
 resources or variants, ops reading a resource (variable reads), stateful
 ops, control flow and function calls, ops carrying a custom gradient, and
 plain identities. A function that opens a gradient tape of its own keeps
-nothing, and a rerun that a gradient tape records (for a second-order
-gradient) replaces nothing: those tapes must see the ops themselves.
+nothing, and a rerun that a gradient tape outside records (for a
+second-order gradient) replaces nothing: those tapes must see the ops
+themselves.
 """
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.eager import record
 from tensorflow.python.framework import ops
-from tensorflow.python.ops import array_ops
 
 from tfremat import errors
 from tfremat import policies
@@ -56,17 +56,14 @@ _NEVER = frozenset([
     "Assert", "Print", "PrintV2", "CheckNumerics", "EnsureShape",
 ])
 
-_NOT_DIFFERENTIABLE = object()
-
-
-def _gradient_of(op_type):
-  """The registered gradient function of `op_type`, `_NOT_DIFFERENTIABLE`,
-  or None when there is none (the op is then never kept)."""
+def _has_gradient(op_type):
+  """Whether `op_type` has a registered gradient, or is registered as not
+  differentiable (an op with neither is never kept)."""
   try:
-    fn = ops.gradient_registry.lookup(op_type)
+    ops.gradient_registry.lookup(op_type)
   except LookupError:
-    return None
-  return _NOT_DIFFERENTIABLE if fn is None else fn
+    return False
+  return True
 
 
 def _op_of(outputs):
@@ -104,7 +101,7 @@ def _candidate(op_type, op):
     return False  # Under a gradient_override_map: a custom gradient.
   except ValueError:
     pass
-  return _gradient_of(op_type) is not None
+  return _has_gradient(op_type)
 
 
 def _attrs(op):
@@ -212,8 +209,6 @@ class _OpWatcher(_DataTracker, watch.Handler):
     op = _op_of(outputs)
     if not self.depends_on_data(op_type, inputs, outputs):
       return None
-    if self._stop(inputs):
-      return None
     kind = _kind(op_type, op)
     if kind is None or not _candidate(op_type, op):
       return None
@@ -221,11 +216,6 @@ class _OpWatcher(_DataTracker, watch.Handler):
     signature = _signature(op)
     self.signatures[kind].append(signature)
     return op_type, op, kind, index, signature
-
-  def _stop(self, inputs):
-    """Whether to number no more ops; the rerun's replacer overrides it."""
-    del inputs
-    return False
 
   def on_op(self, op_type, inputs, outputs, op_name, graph):
     del op_name
@@ -281,34 +271,6 @@ class ForwardSaver(_OpWatcher):
     self._index_of_op = {}
 
 
-class _OpView:
-  """An op as its registered gradient function sees it, with the forward
-  pass's kept outputs in place of its own (a Relu's or Softmax's gradient
-  reads its outputs)."""
-
-  def __init__(self, op, outputs):
-    self._op = op
-    self.outputs = list(outputs)
-
-  def __getattr__(self, name):
-    return getattr(self._op, name)
-
-
-_GRADIENT = "TfrematKeptOutputs"
-
-
-@ops.RegisterGradient(_GRADIENT)
-def _kept_outputs_gradient(identity, *grads):
-  """The gradient of a replaced op: its registered gradient, at the rerun's
-  inputs and the kept outputs."""
-  op, kept, fn = identity.graph._tfremat_kept[identity.name]  # pylint: disable=protected-access
-  n = len(kept)
-  input_grads = fn(_OpView(op, kept), *grads[:n])
-  if not isinstance(input_grads, (list, tuple)):
-    input_grads = [input_grads]
-  return [None] * n + list(input_grads)
-
-
 def in_graph(tensor, graph):
   """`tensor` as seen from `graph`: itself, or the graph's capture of it."""
   if tf.is_symbolic_tensor(tensor) and tensor.graph is graph:
@@ -317,7 +279,13 @@ def in_graph(tensor, graph):
 
 
 class RerunReplacer(_OpWatcher):
-  """Replaces the outputs of the rerun's ops that `saver` kept."""
+  """Replaces the outputs of the rerun's ops that `saver` kept.
+
+  Used under the gradient tape that differentiates the rerun: the tape
+  records each replaced op with the kept tensors as its outputs, so the
+  op's registered gradient is computed from the rerun's inputs to the op
+  and the forward pass's outputs of it.
+  """
 
   def __init__(self, saver, error, gate, inputs):
     super().__init__(inputs)
@@ -329,20 +297,10 @@ class RerunReplacer(_OpWatcher):
     # their outputs alive until the backward pass. `gate(t)` is t so
     # ordered (remat_memory_test checks the peak).
     self.gate = gate
-    self.inactive = False
-    self.replacements = []  # (identities, kept tensors), per replaced op.
-
-  def _stop(self, inputs):
-    if not self.inactive and record.should_record_backprop(list(inputs)):
-      # A gradient tape records the rerun (a second-order gradient): it
-      # must differentiate through the ops themselves, so nothing is
-      # replaced; the kept tensors go unused.
-      self.inactive = True
-    return self.inactive
 
   def _on_candidate(self, op_type, op, kind, index, signature, inputs,
                     outputs, graph):
-    del inputs
+    del op_type, op, inputs
     saved = self.saver.saved.get((kind, index))
     if saved is None:
       return outputs
@@ -351,37 +309,8 @@ class RerunReplacer(_OpWatcher):
                      f"{signature} where the forward pass's had "
                      f"{saved.signature}")
     kept = [self.gate(in_graph(t, graph)) for t in saved.outputs]
-    fn = _gradient_of(op_type)
-    if fn is _NOT_DIFFERENTIABLE or fn is None:
-      self.mark(kept)
-      return kept
-    if not hasattr(graph, "_tfremat_kept"):
-      graph._tfremat_kept = {}  # pylint: disable=protected-access
-    with graph.gradient_override_map({"IdentityN": _GRADIENT}):
-      identity = array_ops.identity_n(kept + list(op.inputs))
-    graph._tfremat_kept[identity[0].op.name] = (op, kept, fn)  # pylint: disable=protected-access
-    self.replacements.append((identity[:len(kept)], kept))
-    self.mark(identity[:len(kept)])
-    return identity[:len(kept)]
-
-  def detach(self):
-    """Once the gradient is built: every op reading a replacement identity
-    reads the kept tensor itself instead (the same value).
-
-    An identity also reads the replaced op's inputs, so that the gradient
-    reaches them; run, it would make the runtime compute those inputs even
-    where no gradient reads their values. A kept softmax's gradient reads
-    only its output, yet its identity alone would recompute the scores, their
-    masking and their product. Unread, the identity is pruned, and with it
-    whatever only it needed.
-    """
-    for identities, kept in self.replacements:
-      for identity, tensor in zip(identities, kept):
-        for consumer in identity.consumers():
-          for index, t in enumerate(consumer.inputs):
-            if t.name == identity.name:
-              consumer._update_input(index, tensor)  # pylint: disable=protected-access
-    self.replacements = []
+    self.mark(kept)
+    return kept
 
   def _mismatch(self, kind, what):
     raise self.error(
@@ -394,8 +323,6 @@ class RerunReplacer(_OpWatcher):
 
   def check(self):
     """Raises unless the rerun made the forward pass's kept kinds alike."""
-    if self.inactive:
-      return
     kinds = {s.kind for s in self.saver.saved.values()}
     for kind in kinds:
       forward = self.saver.signatures.get(kind, [])
