@@ -111,6 +111,31 @@ def test_batch_norm_moving_statistics_updated_once(device, mode):
   assert not np.allclose(after[0], before[0])
 
 
+def test_rerun_builds_no_gradient_towards_a_stopped_tensor():
+  # BatchNormalization's variance reads its mean through a stop_gradient.
+  # A gradient tape skips the gradient towards an input it does not watch;
+  # `tf.gradients` builds it (a Neg, a Sum and a Reshape) and throws it away,
+  # in every normalization a CNN's rerun recomputes. The rerun's gradient
+  # must build no more of it than the plain step's does.
+  keras.utils.set_random_seed(0)
+  norm = keras.layers.BatchNormalization()
+  norm.build((None, 3, 5))
+
+  def op_types(remat):
+    @tf.function
+    def step(x):
+      with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = _maybe_remat(remat, lambda h: norm(h, training=True), x)
+        loss = tf.reduce_sum(y * y)
+      return tape.gradient(loss, [x] + norm.trainable_weights)
+
+    graph = step.get_concrete_function(tf.TensorSpec([4, 3, 5])).graph
+    return [op.type for op in graph.get_operations()]
+
+  assert op_types(True).count("Neg") == op_types(False).count("Neg")
+
+
 @parametrize_all
 def test_multi_head_attention_dropout_matches_plain(device, mode):
   with tf.device(device):

@@ -21,8 +21,8 @@ those without rematerialization. "As the forward pass ran it" means:
 
 - in the same mode: an eager forward pass is rerun eagerly under a
   `tf.GradientTape` (no tracing, so `.numpy()` and Python control flow on
-  tensor values work); a traced one is rerun in the same graph and
-  differentiated with `tf.gradients`, as in Lingvo;
+  tensor values work); a traced one is rerun in the same graph, as in
+  Lingvo, under a gradient tape that records only the rerun;
 - in the same context: the Keras call context (`training` inherited from an
   enclosing layer call), the autocast dtype of mixed precision, and AutoGraph
   conversion are those of the forward pass;
