@@ -680,58 +680,74 @@ class _GraphRerun:
               if isinstance(x, tf.Tensor) else x for x in forward.leaves]
     # Trainable weights need no gate: every op reading them also reads a
     # gated input. They get an identity of their own all the same, so that
-    # the tape below watches a tensor only the rerun reads.
+    # the gradient is taken at a tensor only the rerun reads: from the
+    # forward pass's read, `tf.gradients` would walk the rest of the model.
     values = [self.tensor(v, not variable.trainable, own=True)
               for variable, v in zip(forward.keras_variables,
                                      forward.keras_values)]
     targets = [s.rerun_target(self) for s in forward.sources]
-    raw = [i for i, s in enumerate(forward.sources)
-           if isinstance(s, _RawSource)]
-    forward_reads = _forward_reads(
-        [(forward.sources[i].handle(), forward.sources[i].value)
-         for i in raw], self.graph)
-    also_read = self._also_read(targets, raw)
-    watched = targets + list(also_read.values())
+    closure_reads = self._closure_reads(targets)
+    watched = targets + list(closure_reads.values())
     # Asked before this call's own tape exists: whether a tape outside
     # records the rerun (a second-order gradient).
-    replacer = self._replacer(leaves, record.should_record_backprop(watched))
+    second_order = record.should_record_backprop(watched)
     seed, global_step = (self.gated(forward.seed),
                          self.gated(forward.global_step))
-    # Invariant 8: the tape records only the rerun's own ops, so every
-    # source is a stop, whatever paths join them outside. Unlike
-    # `tf.gradients`, it also skips the gradients towards what it does not
-    # watch (a BatchNormalization's stopped mean), which `tf.gradients`
-    # builds and discards.
-    with tf.GradientTape(watch_accessed_variables=False) as tape:
-      tape.watch(watched)
-      with forward_reads, replacer or contextlib.nullcontext():
+    before = watch.last_op_id(self.graph)
+    reads = [(s.handle(), s.value) for s in forward.sources
+             if isinstance(s, _RawSource)]
+    if reads:
+      # Raw tf.Variables are read at their forward-time reads, which the
+      # forward pass made unrecorded (and a loop or branch body captures):
+      # only a walk of the graph finds the way from those reads to the
+      # variables. What a policy kept goes unused here.
+      tape, replacer = None, None
+      with _forward_reads(reads):
         rerun = _rerun(forward, leaves, values, seed, global_step)
+    else:
+      replacer = self._replacer(leaves, second_order)
+      with tf.GradientTape(watch_accessed_variables=False) as tape:
+        tape.watch(watched)
+        with replacer or contextlib.nullcontext():
+          rerun = _rerun(forward, leaves, values, seed, global_step)
     if replacer is not None:
       replacer.check()
     ys, dys = _checked_targets(forward, *rerun, dys)
-    grads = tape.gradient(ys, watched, output_gradients=dys,
-                          unconnected_gradients=tf.UnconnectedGradients.NONE)
-    # A read the tape recorded in this graph already passed its gradient on
-    # to the handle.
-    passed_on = {raw[j] for j in forward_reads.read_in_graph}
-    for i, grad in zip(also_read, grads[len(targets):]):
-      if grad is not None and i not in passed_on:
-        grads[i] = grad if grads[i] is None else tf.add(grads[i], grad)
-    return grads[:len(targets)]
+    return self._partials(tape, ys, dys, targets, closure_reads, before)
 
-  def _also_read(self, targets, raw):
-    """Tensors the rerun also reads for a source (by its index), whose
-    gradients add to its target's: an input the function also reads by
-    closure (a tensor a tf.function captured, passed and closed over),
-    ungated there; and the forward-time read of each raw variable (indices
-    `raw`), which a loop or branch body captures (`_forward_reads`)."""
-    sources = self.forward.sources
-    also_read = {i: selective.in_graph(s.tensor, self.graph)
-                 for i, s in enumerate(sources)
-                 if isinstance(s, _InputSource) and targets[i] is not s.tensor}
-    also_read.update((i, selective.in_graph(sources[i].value, self.graph))
-                     for i in raw)
-    return also_read
+  def _closure_reads(self, targets):
+    """For each input the function also reads by closure (a tensor a
+    tf.function captured, passed and closed over): that read, ungated, by
+    the input's source index. Its gradient adds to the input's."""
+    return {i: selective.in_graph(s.tensor, self.graph)
+            for i, s in enumerate(self.forward.sources)
+            if isinstance(s, _InputSource) and targets[i] is not s.tensor}
+
+  def _partials(self, tape, ys, dys, targets, closure_reads, before):
+    """Invariant 8: every target is a stop, since one may depend on another
+    in the outer graph (an input computed from a weight the block also
+    reads), and the gradient computation outside adds that path itself.
+    `tape` records only the rerun's own ops, so every target is one; and
+    unlike `tf.gradients`, it skips the gradients towards what it does not
+    watch (a BatchNormalization's stopped mean), which `tf.gradients`
+    builds and discards. Without a tape, `tf.gradients` differentiates with
+    the targets as stops. A closure read counts only where an op of the
+    rerun (made after op id `before`) reads it: `tf.gradients` walks every
+    op reachable from what it differentiates, and from an input as the
+    forward pass read it, that is the rest of the model."""
+    also_read = {i: t for i, t in closure_reads.items()
+                 if any(op._id > before for op in t.consumers())}  # pylint: disable=protected-access
+    xs = targets + list(also_read.values())
+    if tape is None:
+      grads = tf.gradients(ys, xs, grad_ys=dys, stop_gradients=xs,
+                           unconnected_gradients=tf.UnconnectedGradients.NONE)
+    else:
+      grads = tape.gradient(ys, xs, output_gradients=dys,
+                            unconnected_gradients=tf.UnconnectedGradients.NONE)
+    for i, extra in zip(also_read, grads[len(targets):]):
+      if extra is not None:
+        grads[i] = extra if grads[i] is None else tf.add(grads[i], extra)
+    return grads[:len(targets)]
 
   def _replacer(self, leaves, second_order):
     """What puts a policy's kept tensors in place of the rerun's ops
@@ -994,38 +1010,25 @@ class _forward_reads(watch.Handler):  # pylint: disable=invalid-name
   each `ReadVariableOp` of a variable in `reads` ((handle, forward-time
   read) pairs) returns that read instead, so an assignment between the two
   passes changes nothing, as without rematerialization (invariant 5).
-
-  A gradient tape records such a read in `graph` as the handle's read, so
-  the gradient reaching the forward-time read flows on to the handle. A
-  loop or branch body captures the forward-time read instead, and the tape
-  sees only that capture: `read_in_graph` lists the pairs (by index) read
-  in `graph` itself.
   """
 
-  def __init__(self, reads, graph):
+  def __init__(self, reads):
     self._reads = reads
-    self._graph = graph
     self._handles = {}
-    self.read_in_graph = set()
 
   def _handle_ids(self, graph):
     if graph not in self._handles:
       ids = {}
-      for i, (handle, read) in enumerate(self._reads):
-        ids[id(selective.in_graph(handle, graph))] = i, read
+      for handle, read in self._reads:
+        ids[id(selective.in_graph(handle, graph))] = read
       self._handles[graph] = ids
     return self._handles[graph]
 
   def on_op(self, op_type, inputs, outputs, op_name, graph):
     if op_type != "ReadVariableOp" or graph is None:
       return outputs
-    found = self._handle_ids(graph).get(id(inputs[0]))
-    if found is None:
-      return outputs
-    i, read = found
-    if graph is self._graph:
-      self.read_in_graph.add(i)
-    return [selective.in_graph(read, graph)]
+    read = self._handle_ids(graph).get(id(inputs[0]))
+    return outputs if read is None else [selective.in_graph(read, graph)]
 
   def __enter__(self):
     return super().__enter__() if self._reads else self
