@@ -23,8 +23,9 @@ are recomputed, since their tensors do not exist outside that graph. So are
 ops computed from weights, seeds or constants alone, ops whose outputs are
 resources or variants, ops reading a resource (variable reads), stateful
 ops, control flow and function calls, ops carrying a custom gradient, and
-plain identities. A function that opens a gradient tape of its own keeps
-nothing, and a rerun that a gradient tape outside records (for a
+plain identities. A function that opens a gradient tape of its own, or
+reads a raw tf.Variable (its rerun is differentiated with `tf.gradients`),
+keeps nothing, and a rerun that a gradient tape outside records (for a
 second-order gradient) replaces nothing: those tapes must see the ops
 themselves.
 """
