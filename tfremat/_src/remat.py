@@ -22,7 +22,8 @@ those without rematerialization. "As the forward pass ran it" means:
 - in the same mode: an eager forward pass is rerun eagerly under a
   `tf.GradientTape` (no tracing, so `.numpy()` and Python control flow on
   tensor values work); a traced one is rerun in the same graph, as in
-  Lingvo, under a gradient tape that records only the rerun;
+  Lingvo, under a gradient tape that records only the rerun (or, where it
+  reads raw `tf.Variable`s, differentiated with `tf.gradients`);
 - in the same context: the Keras call context (`training` inherited from an
   enclosing layer call), the autocast dtype of mixed precision, and AutoGraph
   conversion are those of the forward pass;
@@ -643,7 +644,8 @@ def _eager_backward(forward, dys):
 class _GraphRerun:
   """A traced forward pass's rerun, in the same graph, made to wait for the
   incoming gradient (docs/design.md, "The rerun is the forward pass's own
-  program"), and differentiated with a gradient tape."""
+  program"), and differentiated with a gradient tape (with `tf.gradients`
+  where it reads raw tf.Variables)."""
 
   def __init__(self, forward, dys):
     self.forward = forward
