@@ -328,6 +328,48 @@ def test_the_result_trains_the_original_weights_and_saves(tmp_path):
                      model.predict(x, verbose=0))
 
 
+class _UnconfigurableDense(keras.layers.Dense):
+  """A layer whose get_config fails, as keras-hub 0.32's
+  LlamaTransformerDecoder's does (it names an attribute it never sets)."""
+
+  def get_config(self):
+    return {"units": self.missing_attribute}
+
+
+class _OwnConfigModel(keras.Model):
+  """A functional model that writes its own configuration, as a KerasHub
+  backbone does: saving it never asks its layers for theirs."""
+
+  def __init__(self, units=8, **kwargs):
+    inputs = keras.Input((4,))
+    h = _UnconfigurableDense(units, activation="relu")(inputs)
+    super().__init__(inputs, keras.layers.Dense(2)(h), **kwargs)
+    self.units = units
+
+  def get_config(self):
+    return {"units": self.units, "name": self.name}
+
+
+def test_a_result_that_cannot_save_says_so_and_names_the_way_out(tmp_path):
+  model = _OwnConfigModel()
+  model.save(tmp_path / "original.keras")  # The original saves.
+  with pytest.warns(UserWarning) as caught:
+    rematerialized = remat_model(model, "full")
+  message = str(caught[0].message)
+  for part in ("cannot be saved", "_UnconfigurableDense", "missing_attribute",
+               "_OwnConfigModel", "remat_in_place"):
+    assert part in message, message
+  with pytest.raises(AttributeError):
+    rematerialized.save(tmp_path / "rematerialized.keras")
+  # A model whose own configuration fails the same way gets no warning:
+  # saving it fails without tfremat too.
+  inputs = keras.Input((4,))
+  plain = keras.Model(inputs, _UnconfigurableDense(2)(inputs))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    remat_model(plain, "full")
+
+
 def test_activations_wrapper_round_trips_through_a_keras_file(tmp_path):
   model, x = _two_inputs()
   rematerialized = remat_model(model, "activations")

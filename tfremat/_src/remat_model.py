@@ -235,7 +235,10 @@ def remat_model(model, mode="full", output_size_threshold=1024,
     copies: its weights are `model`'s, and training it trains `model`),
     computing the same function with exact gradients. Nested models that
     contain chosen layers are rebuilt the same way. It saves to `.keras`
-    and loads without custom objects.
+    and loads without custom objects, as far as its layers give their
+    configurations: where `model` writes its own (a KerasHub backbone) and
+    one of its layers cannot, a warning says so and names
+    `tfremat.remat_in_place`, which keeps `model` itself.
 
   Raises:
     TypeError, ValueError: a subclassed or unbuilt model, an unknown mode,
@@ -243,8 +246,18 @@ def remat_model(model, mode="full", output_size_threshold=1024,
   """
   refuse_keras2(model, "remat_model")
   if budget is not None:
-    return _planned(model, budget, sample_input, policies, verbose,
-                    mode=mode, policy=policy, layer_names=layer_names)
+    result = _planned(model, budget, sample_input, policies, verbose,
+                      mode=mode, policy=policy, layer_names=layer_names)
+  else:
+    result = _by_mode(model, mode, output_size_threshold, layer_names, policy,
+                      sample_input)
+  _warn_if_unsaveable(model, result)
+  return result
+
+
+def _by_mode(model, mode, output_size_threshold, layer_names, policy,
+             sample_input):
+  """`remat_model(model, mode)`: the layers `mode` chooses, rematerialized."""
   _check(model, mode, output_size_threshold, layer_names)
   if policy is not None:
     if mode == "activations":
@@ -280,8 +293,56 @@ def remat_model(model, mode="full", output_size_threshold=1024,
                  "outputs from it, or lower output_size_threshold."))
     warnings.warn(f"remat_model: mode={mode!r} selects no layer of "
                   f"{model.name}; nothing is rematerialized.{hint}",
-                  stacklevel=2)
+                  stacklevel=3)
   return _rematerialized(model, choose, wrapper, recurse=recurse)
+
+
+# What a layer's broken get_config raises (a KerasHub layer naming an
+# attribute it never sets, say).
+_CONFIG_ERRORS = (AttributeError, KeyError, NotImplementedError, TypeError,
+                  ValueError)
+
+
+def _warn_if_unsaveable(model, result):
+  """Warns when `model` gives its configuration and `result` cannot.
+
+  A model that writes its own configuration (a KerasHub backbone) saves
+  without asking its layers for theirs; `result` is a `keras.Model` built
+  from those layers, whose configuration is theirs, so a layer whose
+  `get_config` fails would make `result.save` fail long after this call.
+  """
+  try:
+    model.get_config()
+  except _CONFIG_ERRORS:
+    return  # The original does not save either.
+  try:
+    result.get_config()
+    return
+  except _CONFIG_ERRORS as e:
+    problem = f"{type(e).__name__}: {e}"
+  failing = {}
+  for layer in result._flatten_layers(include_self=False):  # pylint: disable=protected-access
+    try:
+      layer.get_config()
+    except _CONFIG_ERRORS as e:
+      failing[id(layer)] = (layer, e)
+  # The innermost: a wrapper's configuration fails with the layer it wraps.
+  for layer, e in failing.values():
+    if not any(id(inner) in failing for inner in
+               layer._flatten_layers(include_self=False)):  # pylint: disable=protected-access
+      problem = (f"{type(layer).__name__} {layer.name!r}.get_config() raises "
+                 f"{type(e).__name__}: {e}")
+      break
+  kind = type(model).__name__
+  warnings.warn(
+      f"remat_model: the result cannot be saved to a .keras file: {problem}. "
+      f"{model.name} saves without it ({kind} writes its own "
+      "configuration), but the result is a keras.Model made of its layers, "
+      f"configured by theirs. To keep the {kind} (its class, saving and "
+      "methods), rematerialize its blocks where they are: "
+      "tfremat.remat_in_place(layers), or "
+      "tfremat.remat_in_place_for_budget(model, layers, budget, x, y).",
+      stacklevel=3)
 
 
 def _chooser(model, mode, output_size_threshold, sample_input, layer_names):
@@ -408,7 +469,7 @@ def _warn_if_single_layers(model):
         "output. Its layers do not form a chain whose parts could be "
         "grouped (tfremat.chain_units shows its cuts). Wrap larger blocks "
         "in tfremat.RematerializationLayer, or give budget= and "
-        "sample_input= to plan what to rematerialize.", stacklevel=3)
+        "sample_input= to plan what to rematerialize.", stacklevel=4)
 
 
 def _elements(tensors):
