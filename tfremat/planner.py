@@ -45,6 +45,7 @@ __all__ = [
     "check_segments",
     "segment_policies",
     "smallest_budget",
+    "lowest_plan",
     "short_policy_name",
     "floor_terms",
     "unreachable_budget_error",
@@ -403,6 +404,50 @@ def _fits(costs, budget, table):
   return least[-1] + costs[-1].output_bytes <= budget
 
 
+def _least_retained(costs, budget, table):
+  """The plan within `budget` (predicted) that retains the fewest bytes
+  between its segments' forward and backward passes (then the fastest of
+  those), or None.
+
+  Less retained is never worse for what follows (`_fits`), so the best
+  state at each position decides: one per position.
+  """
+  after = _grads_after(costs)
+  best = [None] * (len(costs) + 1)
+  best[0] = (0, 0.0, ())
+  for start, candidates in enumerate(table):
+    if best[start] is None:
+      continue
+    retained, seconds, segs = best[start]
+    for seg, (seg_peak, seg_retained, seg_seconds) in candidates:
+      if retained + after[seg.stop - 1] + seg_peak > budget:
+        continue
+      state = (retained + seg_retained, seconds + seg_seconds, segs + (seg,))
+      if best[seg.stop] is None or state[:2] < best[seg.stop][:2]:
+        best[seg.stop] = state
+  last = best[-1]
+  if last is None or last[0] + costs[-1].output_bytes > budget:
+    return None
+  return list(last[2])
+
+
+def lowest_plan(costs):
+  """The plan the model predicts to peak lowest, and among those the one
+  that retains the least elsewhere.
+
+  Several plans often share the model's lowest peak, set by one layer's
+  working set: the fastest of them keeps layers wherever the model sees room
+  below that peak, but a measured step's peak is not always where the model
+  puts it, and those kept layers then raise it (a 4-layer KerasHub
+  GemmaBackbone: 0.41x of keeping everything against 0.36x with every
+  transformer layer rematerialized alone). So the plan measured last,
+  before a budget is refused, is this one.
+  """
+  need = smallest_budget(costs)
+  return Plan(costs, _least_retained(costs, need, _segment_table(costs)),
+              need)
+
+
 def smallest_budget(costs):
   """The smallest budget (bytes) for which some plan fits."""
   table = _segment_table(costs)
@@ -611,7 +656,8 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4):
      when the next plan is not predicted to be `FASTER_BY` faster than one
      that fits.
   4. If no plan measured fits, the plan the model predicts to peak lowest
-     is measured too (if it was not), before the budget is refused.
+     (`lowest_plan`) is measured too (if it was not), before the budget is
+     refused.
 
   Args:
     costs: the chain's LayerCosts.
@@ -658,7 +704,7 @@ def _calibrated(costs, keep, budget, budget_bytes, measured_peak, rounds):
   scale = keep.peak_bytes / max(1, keep.measured.bound_bytes - margin)
   target, tried = int(room * scale), {}
   # The plan the model predicts to peak lowest, made once if needed.
-  floor_plan = functools.cache(lambda: plan(costs, smallest_budget(costs)))
+  floor_plan = functools.cache(lambda: lowest_plan(costs))
   for _ in range(rounds):
     try:
       chosen = plan(costs, target)
