@@ -19,7 +19,7 @@ from conftest import assert_parity, remat_modes_off, scoped_or_plain
 
 keras_hub = pytest.importorskip("keras_hub")
 
-_SIZES = dict(vocabulary_size=256, num_layers=8, hidden_dim=128,
+_SIZES = dict(vocabulary_size=256, num_layers=4, hidden_dim=128,
               intermediate_dim=512, dropout=0.1)
 _BATCH, _SEQ = 8, 128
 
@@ -55,9 +55,9 @@ def _batch(name):
 def test_budget_plans_keras_hub_backbones_exactly_and_within_budget(name):
   keras.utils.set_random_seed(0)
   model, batch = _backbone(name), _batch(name)
-  # 8 layers: with 4, rematerializing every one peaked at 0.44x-0.52x of
-  # keeping everything here, and with the allocator margin's 10 points no
-  # plan's bound fit 50%.
+  # 4 layers, the sizes users reported: every transformer layer
+  # rematerialized alone peaked at 0.33x-0.36x of keeping everything here,
+  # so with the allocator margin's 10 points that plan's bound fits 50%.
   planned = tfremat.remat_model(model, budget=0.5, sample_input=batch,
                                 verbose=0)
   chain = next(l for l in planned.layers
@@ -67,7 +67,7 @@ def test_budget_plans_keras_hub_backbones_exactly_and_within_budget(name):
                       else [u])
   units = {next(i for i, u in enumerate(chain.chain) if layer in inside(u))
            for layer in model.transformer_layers}
-  assert len(units) == 8, [u.name for u in chain.chain]
+  assert len(units) == 4, [u.name for u in chain.chain]
   plan = chain.plan
   assert plan.measured.bound_bytes <= plan.budget_bytes
   assert any(plan.rematerialized), str(plan)
