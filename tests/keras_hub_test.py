@@ -55,9 +55,9 @@ def _batch(name):
 def test_budget_plans_keras_hub_backbones_exactly_and_within_budget(name):
   keras.utils.set_random_seed(0)
   model, batch = _backbone(name), _batch(name)
-  # 4 layers, the sizes users reported: every transformer layer
-  # rematerialized alone peaked at 0.33x-0.36x of keeping everything here,
-  # so with the allocator margin's 10 points that plan's bound fits 50%.
+  # 4 layers, the sizes users reported: keeping nothing, one transformer
+  # layer per segment, peaked at 0.33x-0.36x of keeping everything here, so
+  # with the allocator margin's 10 points that plan's bound fits 50%.
   planned = tfremat.remat_model(model, budget=0.5, sample_input=batch,
                                 verbose=0)
   chain = next(l for l in planned.layers

@@ -439,8 +439,8 @@ def lowest_plan(costs):
   working set: the fastest of them keeps layers wherever the model sees room
   below that peak, but a measured step's peak is not always where the model
   puts it, and those kept layers then raise it (a 4-layer KerasHub
-  GemmaBackbone: 0.41x of keeping everything against 0.36x with every
-  transformer layer rematerialized alone). So the plan measured last,
+  GemmaBackbone: 0.41x of keeping everything against 0.34x with nothing
+  kept and one transformer layer per segment). So the plan measured last,
   before a budget is refused, is this one.
   """
   need = smallest_budget(costs)
