@@ -2,9 +2,10 @@
 
 The planner measures each plan over `chain.CHECK_CALLS` calls and holds it to
 their largest peak plus their spread (`planner.Measured`). This checks the
-promise itself: the planned layer, saved to a `.keras` file and loaded in a
-fresh Python, peaks within its budget on each of 100 later training steps.
-Slow (up to a minute per budget): CI runs it in its second stage.
+promise itself: the planned layer (of `remat_sequential`) or model (of
+`remat_model`, on a KerasHub backbone), saved to a `.keras` file and loaded
+in a fresh Python, peaks within its budget on each of 100 later training
+steps. Slow (up to a minute per budget): CI runs it in its second stage.
 """
 
 import json
@@ -75,3 +76,60 @@ def test_budget_holds_on_100_later_steps_in_a_new_process(
   over = [p for p in later["peaks"] if p > later["budget"]]
   assert not over, (len(over), max(later["peaks"]), later["budget"],
                     str(layer.plan))
+
+
+_LATER_MODEL = textwrap.dedent("""
+    import json, sys
+    import keras, keras_hub, tensorflow as tf
+    import tfremat
+    from tfremat import measure
+    model = keras.models.load_model(sys.argv[1])
+    chain = next(l for l in model.layers
+                 if isinstance(l, tfremat.RematSequential))
+    batch = {name: tf.io.parse_tensor(tf.io.read_file(path), tf.int32)
+             for name, path in json.loads(sys.argv[2]).items()}
+
+    @tf.function
+    def step(batch):
+      with tf.GradientTape() as tape:
+        loss = tf.add_n([tf.reduce_sum(y ** 2)
+                         for y in tf.nest.flatten(model(batch, training=True))])
+      return tape.gradient(loss, model.trainable_weights)
+
+    peaks = measure.peaks(step, batch, calls=100)
+    print(json.dumps({"budget": chain.plan.budget_bytes, "peaks": peaks}))
+""")
+
+
+@pytest.mark.slow
+def test_a_remat_model_budget_holds_on_100_later_steps_in_a_new_process(
+    tmp_path):
+  # The same promise for a whole model planned by remat_model: a 4-layer
+  # KerasHub backbone, the sizes users reported.
+  pytest.importorskip("keras_hub")
+  sys.path.insert(0, os.path.dirname(__file__))
+  import keras_hub_test  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(0)
+  model = keras_hub_test._backbone("gpt2")  # pylint: disable=protected-access
+  batch = keras_hub_test._batch("gpt2")  # pylint: disable=protected-access
+  planned = tfremat.remat_model(model, budget=0.5, sample_input=batch,
+                                verbose=0)
+  plan = next(l for l in planned.layers
+              if isinstance(l, tfremat.RematSequential)).plan
+  planned.save(tmp_path / "planned.keras")
+  paths = {}
+  for name, value in batch.items():
+    paths[name] = str(tmp_path / name)
+    tf.io.write_file(paths[name], tf.io.serialize_tensor(value))
+  script = tmp_path / "later.py"
+  script.write_text(_LATER_MODEL)
+  done = subprocess.run(
+      [sys.executable, str(script), str(tmp_path / "planned.keras"),
+       json.dumps(paths)],
+      check=True, capture_output=True, text=True,
+      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+  later = json.loads(done.stdout.strip().splitlines()[-1])
+  assert later["budget"] == plan.budget_bytes
+  over = [p for p in later["peaks"] if p > later["budget"]]
+  assert not over, (len(over), max(later["peaks"]), later["budget"],
+                    str(plan))
