@@ -386,49 +386,40 @@ def _fastest(costs, budget, table=None):
 
 
 def _fits(costs, budget, table):
-  """Whether some plan's predicted peak is within `budget`.
-
-  Less retained is never worse for what follows, so the least retained
-  bytes at each position, over plans within the budget so far, decide it:
-  one number per position instead of `_fastest`'s (retained, time) fronts.
-  """
-  after = _grads_after(costs)
-  least = [math.inf] * (len(costs) + 1)
-  least[0] = 0
-  for start, candidates in enumerate(table):
-    if least[start] == math.inf:
-      continue
-    for seg, (seg_peak, seg_retained, _) in candidates:
-      if least[start] + after[seg.stop - 1] + seg_peak <= budget:
-        least[seg.stop] = min(least[seg.stop], least[start] + seg_retained)
-  return least[-1] + costs[-1].output_bytes <= budget
+  """Whether some plan's predicted peak is within `budget`."""
+  return _least_retained(costs, budget, table) is not None
 
 
 def _least_retained(costs, budget, table):
   """The plan within `budget` (predicted) that retains the fewest bytes
   between its segments' forward and backward passes (then the fastest of
-  those), or None.
+  those), or None when no plan fits.
 
-  Less retained is never worse for what follows (`_fits`), so the best
-  state at each position decides: one per position.
+  Less retained is never worse for what follows, so the best state at each
+  position, over plans within the budget so far, decides: one per position
+  instead of `_fastest`'s (retained, time) fronts. Each state names the
+  segment that reached it; the plan is read back from the end.
   """
   after = _grads_after(costs)
-  best = [None] * (len(costs) + 1)
-  best[0] = (0, 0.0, ())
+  best = [None] * (len(costs) + 1)  # (retained, seconds, last segment)
+  best[0] = (0, 0.0, None)
   for start, candidates in enumerate(table):
     if best[start] is None:
       continue
-    retained, seconds, segs = best[start]
+    retained, seconds, _ = best[start]
     for seg, (seg_peak, seg_retained, seg_seconds) in candidates:
       if retained + after[seg.stop - 1] + seg_peak > budget:
         continue
-      state = (retained + seg_retained, seconds + seg_seconds, segs + (seg,))
+      state = (retained + seg_retained, seconds + seg_seconds, seg)
       if best[seg.stop] is None or state[:2] < best[seg.stop][:2]:
         best[seg.stop] = state
-  last = best[-1]
-  if last is None or last[0] + costs[-1].output_bytes > budget:
+  if best[-1] is None or best[-1][0] + costs[-1].output_bytes > budget:
     return None
-  return list(last[2])
+  segments, stop = [], len(costs)
+  while stop:
+    segments.append(best[stop][2])
+    stop = segments[-1].start
+  return segments[::-1]
 
 
 def lowest_plan(costs):
@@ -443,14 +434,15 @@ def lowest_plan(costs):
   kept and one transformer layer per segment). So the plan measured last,
   before a budget is refused, is this one.
   """
-  need = smallest_budget(costs)
-  return Plan(costs, _least_retained(costs, need, _segment_table(costs)),
-              need)
-
-
-def smallest_budget(costs):
-  """The smallest budget (bytes) for which some plan fits."""
   table = _segment_table(costs)
+  need = smallest_budget(costs, table)
+  return Plan(costs, _least_retained(costs, need, table), need)
+
+
+def smallest_budget(costs, table=None):
+  """The smallest budget (bytes) for which some plan fits. `table`:
+  `_segment_table(costs)`, if already computed."""
+  table = _segment_table(costs) if table is None else table
   lo, hi = 0, predict(costs, [Segment(0, len(costs), False)])[0]
   hi = max(hi, predict(costs, uniform_segments(len(costs), len(costs)))[0])
   while lo < hi:
