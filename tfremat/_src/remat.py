@@ -689,10 +689,6 @@ class _GraphRerun:
                                      forward.keras_values)]
     targets = [s.rerun_target(self) for s in forward.sources]
     closure_reads = self._closure_reads(targets)
-    watched = targets + list(closure_reads.values())
-    # Asked before this call's own tape exists: whether a tape outside
-    # records the rerun (a second-order gradient).
-    second_order = record.should_record_backprop(watched)
     seed, global_step = (self.gated(forward.seed),
                          self.gated(forward.global_step))
     before = watch.last_op_id(self.graph)
@@ -707,7 +703,11 @@ class _GraphRerun:
       with _forward_reads(reads):
         rerun = _rerun(forward, leaves, values, seed, global_step)
     else:
-      replacer = self._replacer(leaves, second_order)
+      watched = targets + list(closure_reads.values())
+      # Asked before this call's own tape exists: whether a tape outside
+      # records the rerun (a second-order gradient).
+      replacer = self._replacer(leaves,
+                                record.should_record_backprop(watched))
       with tf.GradientTape(watch_accessed_variables=False) as tape:
         tape.watch(watched)
         with replacer or contextlib.nullcontext():
@@ -1031,13 +1031,6 @@ class _forward_reads(watch.Handler):  # pylint: disable=invalid-name
       return outputs
     read = self._handle_ids(graph).get(id(inputs[0]))
     return outputs if read is None else [selective.in_graph(read, graph)]
-
-  def __enter__(self):
-    return super().__enter__() if self._reads else self
-
-  def __exit__(self, *args):
-    if self._reads:
-      super().__exit__(*args)
 
 
 def rematerialize(fn=None, *, policy=None, debug=None):
