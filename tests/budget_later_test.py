@@ -82,22 +82,14 @@ _LATER_MODEL = textwrap.dedent("""
     import json, sys
     import keras, keras_hub, tensorflow as tf
     import tfremat
-    from tfremat import measure
+    from tfremat import chain
     model = keras.models.load_model(sys.argv[1])
-    chain = next(l for l in model.layers
-                 if isinstance(l, tfremat.RematSequential))
+    planned = next(l for l in model.layers
+                   if isinstance(l, tfremat.RematSequential))
     batch = {name: tf.io.parse_tensor(tf.io.read_file(path), tf.int32)
              for name, path in json.loads(sys.argv[2]).items()}
-
-    @tf.function
-    def step(batch):
-      with tf.GradientTape() as tape:
-        loss = tf.add_n([tf.reduce_sum(y ** 2)
-                         for y in tf.nest.flatten(model(batch, training=True))])
-      return tape.gradient(loss, model.trainable_weights)
-
-    peaks = measure.peaks(step, batch, calls=100)
-    print(json.dumps({"budget": chain.plan.budget_bytes, "peaks": peaks}))
+    peaks = chain.measure_peaks(model, batch, calls=100)
+    print(json.dumps({"budget": planned.plan.budget_bytes, "peaks": peaks}))
 """)
 
 
