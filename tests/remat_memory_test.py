@@ -87,3 +87,51 @@ def test_ops_reading_kept_tensors_wait_for_the_gradient():
   # Plain: three 4 MiB activations per block; kept: one.
   assert plain > 80 * 2**20, plain
   assert kept <= 0.6 * plain, (kept, plain)
+
+
+_ONE_THREAD = textwrap.dedent("""
+    import json
+    import tensorflow as tf
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    import keras
+    import tfremat
+    from tfremat import measure
+    keras.utils.set_random_seed(0)
+    blocks = [keras.Sequential([keras.layers.Dense(1024, activation="gelu"),
+                                keras.layers.Dense(256)]) for _ in range(8)]
+    x = tf.random.stateless_normal([512, 256], seed=[1, 2])
+
+    def step(model):
+      @tf.function
+      def run(x):
+        with tf.GradientTape() as tape:
+          tape.watch(x)
+          y = model(x, training=True)
+        return tape.gradient(y, [x] + model.trainable_weights,
+                             output_gradients=tf.stop_gradient(y))
+      return run
+
+    peaks = {
+        name: measure.peak_bytes(step(keras.Sequential(layers)), x, calls=3)
+        for name, layers in [
+            ("plain", blocks),
+            ("remat", [tfremat.RematerializationLayer(b) for b in blocks])]}
+    print(json.dumps(peaks))
+""")
+
+
+def test_one_executor_thread_frees_each_rerun_before_the_next():
+  # With one inter-op thread (a one-CPU container, or a configuration
+  # chosen for reproducibility), TensorFlow's executor runs each block's
+  # input gradient, and so the previous block's rerun, before that block's
+  # weight gradients, which it queues: every block's recomputed activations
+  # then stay alive until the end of the backward pass. A rematerialized
+  # call hands its input gradients on only once its weight gradients are
+  # computed. Each block here recomputes two 2 MiB activations; the eight
+  # blocks' weight gradients are 16 MiB.
+  done = subprocess.run(
+      [sys.executable, "-c", _ONE_THREAD], check=True, capture_output=True,
+      text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+  peaks = json.loads(done.stdout.strip().splitlines()[-1])
+  assert peaks["plain"] > 60 * 2**20, peaks
+  assert peaks["remat"] <= 0.45 * peaks["plain"], peaks

@@ -158,8 +158,9 @@ class _ForwardContext:
       global_state.set_global_attribute(name, value)
 
 
-def _gradient_gate(dys):
-  """A float32 zero computed from the incoming gradient.
+def _gradient_gate(dys, every=False):
+  """A float32 zero computed from the incoming gradient (with `every`, from
+  each of the gradients `dys`).
 
   In a graph, the rerun's inputs are offset by this zero, which makes every
   recomputed op depend on the gradient through data. Control dependencies
@@ -170,23 +171,33 @@ def _gradient_gate(dys):
   even when the gradient is NaN or empty, and no optimizer folds it to a
   constant.
   """
+  firsts = []
   for dy in dys:
-    if isinstance(dy, tf.IndexedSlices):
-      dy = dy.values
+    dy = _dense(dy)
     if dy is not None and _is_differentiable(dy):
-      first = tf.reshape(dy, [-1])[:1]
-      b = tf.cast(tf.reduce_sum(tf.cast(first, tf.float32)), tf.bool)
-      return tf.cast(tf.logical_and(b, tf.logical_not(b)), tf.float32)
-  return None
+      firsts.append(tf.cast(tf.reshape(dy, [-1])[:1], tf.float32))
+      if not every:
+        break
+  if not firsts:
+    return None
+  b = tf.cast(tf.reduce_sum(tf.concat(firsts, 0) if len(firsts) > 1
+                            else firsts[0]), tf.bool)
+  return tf.cast(tf.logical_and(b, tf.logical_not(b)), tf.float32)
+
+
+def _dense(t):
+  """The values of an IndexedSlices; any other tensor (or None) itself."""
+  return t.values if isinstance(t, tf.IndexedSlices) else t
 
 
 def _after(x, zero):
-  """`x` itself, not copied, but made available only after `zero`.
+  """`x` itself, not copied, but made available only after `zero` (a tensor,
+  or a list of them).
 
   For the graph runtime, which keeps control dependencies (Grappler drops
   one only where a data path already orders the two ops); XLA ignores them.
   """
-  with tf.control_dependencies([zero]):
+  with tf.control_dependencies(zero if isinstance(zero, list) else [zero]):
     return tf.identity(x)
 
 
@@ -715,7 +726,8 @@ class _GraphRerun:
     if replacer is not None:
       replacer.check()
     ys, dys = _checked_targets(forward, *rerun, dys)
-    return self._partials(tape, ys, dys, targets, closure_reads, before)
+    grads = self._partials(tape, ys, dys, targets, closure_reads, before)
+    return self._handed_on_last(grads)
 
   def _closure_reads(self, targets):
     """For each input the function also reads by closure (a tensor a
@@ -750,6 +762,35 @@ class _GraphRerun:
       if extra is not None:
         grads[i] = extra if grads[i] is None else tf.add(grads[i], extra)
     return grads[:len(targets)]
+
+  def _handed_on_last(self, grads):
+    """The gradients, those for tensors (which flow on to the calls before
+    this one) made available only once those for variables are computed.
+
+    The variables' gradients read this call's recomputed activations. An
+    executor with one inter-op thread runs the chain of tensor gradients
+    first and queues the rest: the previous call's rerun would start while
+    this one's activations wait for its weight gradients, and at the end of
+    the backward pass every call's activations would be alive at once
+    (tests/remat_memory_test.py). A control edge suffices for the graph
+    runtime; XLA ignores those, so there the tensors are offset by a zero
+    computed from every variable gradient.
+    """
+    is_variable = [isinstance(s, (_KerasSource, _RawSource))
+                   for s in self.forward.sources]
+    after = [_dense(g) for g, v in zip(grads, is_variable)
+             if v and g is not None]
+    if not after or all(v or g is None for g, v in zip(grads, is_variable)):
+      return grads
+    if control_flow_util.GraphOrParentsInXlaContext(self.graph):
+      zero = _gradient_gate(after, every=True)
+      release = lambda t: _gate(t, zero)
+    else:
+      release = lambda t: _after(t, after)
+    return [g if v or g is None else
+            tf.IndexedSlices(release(g.values), g.indices, g.dense_shape)
+            if isinstance(g, tf.IndexedSlices) else release(g)
+            for g, v in zip(grads, is_variable)]
 
   def _replacer(self, leaves, second_order):
     """What puts a policy's kept tensors in place of the rerun's ops
