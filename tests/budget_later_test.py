@@ -25,6 +25,8 @@ from tfremat import models
 _LATER = textwrap.dedent("""
     import json, sys
     import keras, tensorflow as tf
+    if sys.argv[3:] == ["one-thread"]:
+      tf.config.threading.set_inter_op_parallelism_threads(1)
     import tfremat
     from tfremat import chain
     layer = keras.models.load_model(sys.argv[1]).layers[1]
@@ -57,6 +59,23 @@ def _chain(name):
     ("bench_mlp", 0.8)])
 def test_budget_holds_on_100_later_steps_in_a_new_process(
     name, fraction, tmp_path):
+  _check_later_steps(name, fraction, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, fraction", [("mlp", 0.5), ("bench_mlp", 0.5)])
+def test_budget_holds_later_with_one_executor_thread(name, fraction,
+                                                     tmp_path):
+  # Planned with the default threads, trained with one inter-op thread (a
+  # one-core machine's default): the executor then orders the backward pass
+  # its own way, which must not keep every rerun's activations alive
+  # (tests/remat_memory_test.py).
+  _check_later_steps(name, fraction, tmp_path, "one-thread")
+
+
+def _check_later_steps(name, fraction, tmp_path, *later_args):
+  """Plans `name` for `fraction`, and checks 100 steps of the plan, loaded
+  in a new process (given `later_args`), within its budget."""
   blocks, x = _chain(name)
   layer = tfremat.remat_sequential(blocks, budget=fraction, sample_input=x,
                                    verbose=0)
@@ -68,7 +87,7 @@ def test_budget_holds_on_100_later_steps_in_a_new_process(
   script.write_text(_LATER)
   done = subprocess.run(
       [sys.executable, str(script), str(tmp_path / "planned.keras"),
-       str(tmp_path / "x")],
+       str(tmp_path / "x"), *later_args],
       check=True, capture_output=True, text=True,
       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
   later = json.loads(done.stdout.strip().splitlines()[-1])

@@ -3,6 +3,7 @@ planner's budgets checked against measured peaks."""
 
 
 import dataclasses
+import os
 
 import keras
 import numpy as np
@@ -452,3 +453,38 @@ def test_ordered_is_kept_in_the_config():
   again = tfremat.RematSequential.from_config(layer.get_config())
   assert again.ordered is True
   assert tfremat.RematSequential(blocks, [(0, 2, True)]).ordered is False
+
+
+@pytest.mark.parametrize("threads, environment, cpus, one", [
+    (1, None, 2, True), (2, None, 1, False), (0, "1", 2, True),
+    (0, None, 1, True), (0, None, 2, False)])
+def test_one_executor_thread_is_read_from_config_environment_or_cpus(
+    monkeypatch, threads, environment, cpus, one):
+  monkeypatch.setattr(tf.config.threading,
+                      "get_inter_op_parallelism_threads", lambda: threads)
+  if environment is None:
+    monkeypatch.delenv("TF_NUM_INTEROP_THREADS", raising=False)
+  else:
+    monkeypatch.setenv("TF_NUM_INTEROP_THREADS", environment)
+  monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(cpus)),
+                      raising=False)
+  assert chain._one_executor_thread() is one  # pylint: disable=protected-access
+
+
+def test_an_ordered_chain_runs_in_the_executors_order_on_one_thread(
+    monkeypatch):
+  # One inter-op thread keeps one order by itself; the chain's own order
+  # then only raised peaks (docs/benchmarks.md, "With one inter-op thread").
+  blocks = models.residual_mlp(3, 64, dropout=0.0, residual_inside=True)
+  x = tf.zeros([2048, 64])  # 512 KiB activations: large enough to order.
+  layer = tfremat.RematSequential(blocks, [(0, 1, True), (1, 3, True)],
+                                  ordered=True)
+
+  def control_edges():
+    graph = chain.training_step(layer).get_concrete_function(x).graph
+    return sum(len(op.control_inputs) for op in graph.get_operations())
+
+  monkeypatch.setattr(chain, "_one_executor_thread", lambda: False)
+  ordered = control_edges()
+  monkeypatch.setattr(chain, "_one_executor_thread", lambda: True)
+  assert control_edges() < ordered

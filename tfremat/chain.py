@@ -12,6 +12,7 @@ by measuring the chain (`measure_chain`) and asking the planner
 
 import contextlib
 import dataclasses
+import os
 
 import keras
 import numpy as np
@@ -141,11 +142,12 @@ class RematSequential(keras.layers.Layer):
       the layer's config, so `.plan` prints the same after a `.keras` file
       is saved and loaded.
     policy: the save policy of rematerialized segments that name none.
-    ordered: in a `tf.function` (not XLA), run the chain's forward and
-      backward ops in the order they are built (`_ordered`), so that a
-      step's peak varies less from call to call within a process. It costs
-      step time, as independent ops no longer overlap (docs/benchmarks.md,
-      "Measurements behind the defaults").
+    ordered: in a `tf.function` (not XLA, and not with one inter-op
+      thread, whose executor keeps one order by itself), run the chain's
+      forward and backward ops in the order they are built (`_ordered`), so
+      that a step's peak varies less from call to call within a process. It
+      costs step time, as independent ops no longer overlap
+      (docs/benchmarks.md, "Measurements behind the defaults").
       False (the default) lets the executor's threads overlap them. Chains
       the planner chose for a budget are ordered, as it measured them.
   """
@@ -191,9 +193,11 @@ class RematSequential(keras.layers.Layer):
     graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
     if (not self.ordered or graph is None or
         not any(s.remat for s in self.segments) or
-        control_flow_util.GraphOrParentsInXlaContext(graph)):
-      # Eager ops and XLA's compiled steps run in one order every time; a
-      # chain that rematerializes nothing runs as the layers would.
+        control_flow_util.GraphOrParentsInXlaContext(graph) or
+        _one_executor_thread()):
+      # Eager ops, XLA's compiled steps and an executor with one inter-op
+      # thread run in one order every time; a chain that rematerializes
+      # nothing runs as the layers would.
       return self._run(x, context, training)
     return self._ordered(x, context, training)
 
@@ -257,6 +261,31 @@ class RematSequential(keras.layers.Layer):
     layers = [keras.saving.deserialize_keras_object(
         l, custom_objects=custom_objects) for l in config.pop("layers")]
     return cls(layers, **config)
+
+
+def _one_executor_thread():
+  """Whether TensorFlow's executor runs independent ops on one inter-op
+  thread: as configured, or by default, which is the number of CPUs the
+  process may run on (or `TF_NUM_INTEROP_THREADS`).
+
+  Its order is then the same on every call, and the order `_ordered` imposes
+  only costs memory: on the tests' 10-block MLP, a plan made with the default
+  threads peaked at 24.2 MiB ordered and 19.8 MiB unordered in new processes
+  with one inter-op thread, and at 19.4 MiB ordered with the default threads
+  (docs/benchmarks.md, "With one inter-op thread").
+  """
+  threads = tf.config.threading.get_inter_op_parallelism_threads()
+  if threads == 0:
+    try:
+      threads = int(os.environ.get("TF_NUM_INTEROP_THREADS", "0"))
+    except ValueError:
+      threads = 0
+  if threads == 0:
+    try:
+      threads = len(os.sched_getaffinity(0))
+    except AttributeError:  # Not on Linux.
+      threads = os.cpu_count() or 0
+  return threads == 1
 
 
 _SOURCE_OPS = frozenset(["Placeholder", "Const"])
