@@ -59,7 +59,9 @@ def _chain(name):
     ("bench_mlp", 0.8)])
 def test_budget_holds_on_100_later_steps_in_a_new_process(
     name, fraction, tmp_path):
-  _check_later_steps(name, fraction, tmp_path)
+  plan = _plan_and_save(name, fraction, tmp_path)
+  _assert_later_steps_within_budget(plan, _LATER, tmp_path,
+                                    tmp_path / "planned.keras", tmp_path / "x")
 
 
 @pytest.mark.slow
@@ -70,12 +72,15 @@ def test_budget_holds_later_with_one_executor_thread(name, fraction,
   # one-core machine's default): the executor then orders the backward pass
   # its own way, which must not keep every rerun's activations alive
   # (tests/remat_memory_test.py).
-  _check_later_steps(name, fraction, tmp_path, "one-thread")
+  plan = _plan_and_save(name, fraction, tmp_path)
+  _assert_later_steps_within_budget(plan, _LATER, tmp_path,
+                                    tmp_path / "planned.keras", tmp_path / "x",
+                                    "one-thread")
 
 
-def _check_later_steps(name, fraction, tmp_path, *later_args):
-  """Plans `name` for `fraction`, and checks 100 steps of the plan, loaded
-  in a new process (given `later_args`), within its budget."""
+def _plan_and_save(name, fraction, tmp_path):
+  """Plans chain `name` for `fraction`; saves the planned layer (in a model)
+  and the batch to `tmp_path`, as planned.keras and x. Returns the plan."""
   blocks, x = _chain(name)
   layer = tfremat.remat_sequential(blocks, budget=fraction, sample_input=x,
                                    verbose=0)
@@ -83,18 +88,23 @@ def _check_later_steps(name, fraction, tmp_path, *later_args):
   inputs = keras.Input(x.shape[1:])
   keras.Model(inputs, layer(inputs)).save(tmp_path / "planned.keras")
   tf.io.write_file(str(tmp_path / "x"), tf.io.serialize_tensor(x))
-  script = tmp_path / "later.py"
-  script.write_text(_LATER)
+  return layer.plan
+
+
+def _assert_later_steps_within_budget(plan, script, tmp_path, *args):
+  """Runs `script` with `args` in a new Python, and asserts that it read the
+  plan's budget and that each step it measured peaked within it."""
+  path = tmp_path / "later.py"
+  path.write_text(script)
   done = subprocess.run(
-      [sys.executable, str(script), str(tmp_path / "planned.keras"),
-       str(tmp_path / "x"), *later_args],
+      [sys.executable, str(path), *map(str, args)],
       check=True, capture_output=True, text=True,
       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
   later = json.loads(done.stdout.strip().splitlines()[-1])
-  assert later["budget"] == layer.plan.budget_bytes
+  assert later["budget"] == plan.budget_bytes
   over = [p for p in later["peaks"] if p > later["budget"]]
   assert not over, (len(over), max(later["peaks"]), later["budget"],
-                    str(layer.plan))
+                    str(plan))
 
 
 _LATER_MODEL = textwrap.dedent("""
@@ -132,15 +142,6 @@ def test_a_remat_model_budget_holds_on_100_later_steps_in_a_new_process(
   for name, value in batch.items():
     paths[name] = str(tmp_path / name)
     tf.io.write_file(paths[name], tf.io.serialize_tensor(value))
-  script = tmp_path / "later.py"
-  script.write_text(_LATER_MODEL)
-  done = subprocess.run(
-      [sys.executable, str(script), str(tmp_path / "planned.keras"),
-       json.dumps(paths)],
-      check=True, capture_output=True, text=True,
-      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
-  later = json.loads(done.stdout.strip().splitlines()[-1])
-  assert later["budget"] == plan.budget_bytes
-  over = [p for p in later["peaks"] if p > later["budget"]]
-  assert not over, (len(over), max(later["peaks"]), later["budget"],
-                    str(plan))
+  _assert_later_steps_within_budget(plan, _LATER_MODEL, tmp_path,
+                                    tmp_path / "planned.keras",
+                                    json.dumps(paths))
