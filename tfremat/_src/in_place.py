@@ -35,6 +35,8 @@ __all__ = [
 
 # Set on a layer remat_in_place rematerializes: its remat mode before.
 _MARK = "_tfremat_remat_mode_before"
+# Set on a layer rematerialized with nested=True: the sublayers it nested.
+_NESTED = "_tfremat_nested_sublayers"
 
 
 def _layers(layers, caller):
@@ -60,7 +62,17 @@ def _hook_missing():
   return not hasattr(keras.layers.Layer, "rematerialized_call")
 
 
-def remat_in_place(layers, policy=None):
+def _sublayers(layer):
+  """`layer`'s own layers, one level down, that `remat_in_place` can
+  rematerialize (a functional block's layers, a transformer layer's
+  attention, feed-forward and normalization layers), in Keras's order."""
+  return [l for l in layer._flatten_layers(  # pylint: disable=protected-access
+      include_self=False, recursive=False)
+          if isinstance(l, keras.layers.Layer) and
+          not isinstance(l, keras.layers.InputLayer)]
+
+
+def remat_in_place(layers, policy=None, nested=False):
   """Rematerializes each of `layers` in its model, without rebuilding it.
 
   Each layer's call then runs through `RematerializeFn` whenever it trains
@@ -74,18 +86,27 @@ def remat_in_place(layers, policy=None):
   a transformer's blocks (a KerasHub backbone's `transformer_layers`), a
   CNN's stages. Rematerializing a whole model as one layer saves nothing.
 
+  With `nested=True`, each layer's own sublayers (one level down: a
+  transformer layer's attention, feed-forward and normalization layers) are
+  rematerialized too, inside its rerun. The layer's rerun then keeps only
+  their outputs, and each sublayer's activations are recomputed once more
+  when its own backward pass comes: a lower peak where a layer holds several
+  large working sets, for one more forward pass of its sublayers.
+
   Args:
     layers: a Keras 3 layer or an iterable of them.
     policy: what each layer keeps from the forward pass instead of
       recomputing it (`tfremat.policies`), or None to keep nothing but its
       inputs (or follow an enclosing `tfremat.policies.scope`).
+    nested: also rematerialize each layer's own layers (one level down;
+      not Keras input layers), with the same policy.
 
   Returns:
     The list of layers, now rematerialized.
 
   Raises:
     TypeError: something other than Keras 3 layers; Keras 2 (tf_keras)
-      layers are named as such.
+      layers are named as such; `nested` not a bool.
     ValueError: an unknown policy.
     RuntimeError: a Keras without the layer hook this relies on (Keras
       3.9 added it).
@@ -98,27 +119,50 @@ def remat_in_place(layers, policy=None):
         f"remat_in_place needs Keras's layer rematerialization hook "
         f"(Layer.rematerialized_call, Keras 3.9 and later); this is Keras "
         f"{keras.__version__}. Upgrade Keras, or use tfremat.remat_model.")
+  if not isinstance(nested, bool):
+    raise errors.InvalidTypeError(
+        f"remat_in_place: nested is True or False; got {nested!r}.")
   for layer in layers:
-    # Attributes of this object only, set past Keras's attribute tracking:
-    # the layer's class, config and weights stay as they are. The remat mode
-    # a keras.RematScope gave the layer is kept for undo_remat_in_place.
-    if not hasattr(layer, _MARK):
-      object.__setattr__(layer, _MARK, getattr(layer, "_remat_mode", None))
-    object.__setattr__(layer, "_remat_mode",
-                       keras_remat.RematMode("full", None, None))
-    object.__setattr__(layer, "rematerialized_call",
-                       functools.partial(_rematerialized_call, layer, policy))
+    _mark(layer, policy)
+    if nested:
+      inner = [l for l in _sublayers(layer) if l not in layers]
+      for sublayer in inner:
+        _mark(sublayer, policy)
+      object.__setattr__(layer, _NESTED, tuple(
+          dict.fromkeys(getattr(layer, _NESTED, ()) + tuple(inner))))
   return layers
 
 
+def _mark(layer, policy):
+  """Gives `layer` the hook that rematerializes it."""
+  # Attributes of this object only, set past Keras's attribute tracking: the
+  # layer's class, config and weights stay as they are. The remat mode a
+  # keras.RematScope gave the layer is kept for undo_remat_in_place.
+  if not hasattr(layer, _MARK):
+    object.__setattr__(layer, _MARK, getattr(layer, "_remat_mode", None))
+  object.__setattr__(layer, "_remat_mode",
+                     keras_remat.RematMode("full", None, None))
+  object.__setattr__(layer, "rematerialized_call",
+                     functools.partial(_rematerialized_call, layer, policy))
+
+
 def undo_remat_in_place(layers):
-  """Undoes `remat_in_place` on `layers`: they run as they did before."""
+  """Undoes `remat_in_place` on `layers` (and on the sublayers it nested in
+  them): they run as they did before."""
   for layer in _layers(layers, "undo_remat_in_place"):
-    if hasattr(layer, _MARK):
-      object.__delattr__(layer, "rematerialized_call")
-      object.__setattr__(layer, "_remat_mode", getattr(layer, _MARK))
-      object.__delattr__(layer, _MARK)
+    for sublayer in getattr(layer, _NESTED, ()):
+      _unmark(sublayer)
+    if hasattr(layer, _NESTED):
+      object.__delattr__(layer, _NESTED)
+    _unmark(layer)
   return None
+
+
+def _unmark(layer):
+  if hasattr(layer, _MARK):
+    object.__delattr__(layer, "rematerialized_call")
+    object.__setattr__(layer, "_remat_mode", getattr(layer, _MARK))
+    object.__delattr__(layer, _MARK)
 
 
 def is_remat_in_place(layer):
@@ -159,21 +203,27 @@ class InPlaceBudget:
   Attributes:
     layers: the layers it left rematerialized (the first `len(layers)` of
       those it was given).
+    nested: whether their own layers are rematerialized too
+      (`remat_in_place(layers, nested=True)`).
     measured: the training step's `planner.Measured` peaks so.
     measured_keep: the same with none rematerialized.
     budget_bytes: the budget in bytes.
   """
 
-  def __init__(self, layers, measured, measured_keep, budget_bytes):
+  def __init__(self, layers, measured, measured_keep, budget_bytes,
+               nested=False):
     self.layers = layers
+    self.nested = nested
     self.measured = measured
     self.measured_keep = measured_keep
     self.budget_bytes = budget_bytes
 
   def __str__(self):
     keep = self.measured_keep.peak_bytes
-    return (f"{len(self.layers)} layer(s) rematerialized in place: training "
-            f"step peak {measure.format_bytes(self.measured.peak_bytes)} "
+    nested = ", nested," if self.nested else ""
+    return (f"{len(self.layers)} layer(s){nested} rematerialized in place: "
+            f"training step peak "
+            f"{measure.format_bytes(self.measured.peak_bytes)} "
             f"({self.measured.peak_bytes / keep:.2f}x of "
             f"{measure.format_bytes(keep)} without), bound "
             f"{measure.format_bytes(self.measured.bound_bytes)} within the "
@@ -190,7 +240,7 @@ def _state(model):
 
 
 def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
-                              calls=measure.PEAK_CALLS):
+                              calls=measure.PEAK_CALLS, nested=True):
   """`remat_in_place` on as few of `layers` as keep a training step within
   `budget`, measured on `model.train_on_batch(x, y)`.
 
@@ -198,10 +248,13 @@ def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
   the step with none of `layers` rematerialized, with all, and then searches
   (by halving) for the fewest, taken from the front of `layers` (for a
   chain of repeated blocks, which ones matters little), whose bound fits.
-  A bound is what a planned chain's is (`tfremat.planner.Measured`): the
-  largest peak of `calls` steps, plus their spread, plus the allocator
-  margin. Every variable of the model and of its optimizer is put back
-  after measuring, and the model's train function is traced anew.
+  If even all of them do not fit, it measures them nested
+  (`remat_in_place(layers, nested=True)`: slower, lower), unless `nested`
+  is False. A bound is what a planned chain's is
+  (`tfremat.planner.Measured`): the largest peak of `calls` steps, plus
+  their spread, plus the allocator margin. Every variable of the model and
+  of its optimizer is put back after measuring, and the model's train
+  function is traced anew.
 
   Args:
     model: a compiled Keras model that `layers` belong to.
@@ -213,6 +266,8 @@ def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
       takes strings and no `y`).
     policy: the save policy of every rematerialized layer.
     calls: training steps per measurement.
+    nested: whether it may rematerialize the layers' own layers too, when
+      the layers alone do not fit.
 
   Returns:
     An `InPlaceBudget`; its `layers` are left rematerialized.
@@ -224,6 +279,10 @@ def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
   """
   layers = _layers(layers, "remat_in_place_for_budget")
   budget = planner.Budget.parse(budget)
+  if not isinstance(nested, bool):
+    raise errors.InvalidTypeError(
+        f"remat_in_place_for_budget: nested is True or False; got "
+        f"{nested!r}.")
   if policy is not None:
     policies.get(policy)
   if getattr(model, "optimizer", None) is None:
@@ -233,10 +292,10 @@ def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
   state = _state(model)
   saved = [v.numpy() for v in state]
 
-  def measured(k):
+  def peaks(k, nest=False):
     undo_remat_in_place(layers)
     if k:
-      remat_in_place(layers[:k], policy=policy)
+      remat_in_place(layers[:k], policy=policy, nested=nest)
     model.make_train_function(force=True)
     try:
       return measure.peaks(model.train_on_batch, x, y, calls=calls)
@@ -246,37 +305,58 @@ def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
       model.reset_metrics()
 
   try:
-    keep_peaks = measured(0)
+    keep_peaks = peaks(0)
     margin = int(planner.ALLOCATOR_MARGIN * max(keep_peaks))
     keep = planner.Measured.of(keep_peaks, margin)
     budget_bytes = budget.bytes_given(keep.peak_bytes)
-    found = {0: keep}
-    if keep.bound_bytes > budget_bytes:
-      found[len(layers)] = planner.Measured.of(measured(len(layers)), margin)
-      low, high = 0, len(layers)  # low does not fit; high may.
-      while high - low > 1 and found[high].bound_bytes <= budget_bytes:
-        middle = (low + high) // 2
-        found[middle] = planner.Measured.of(measured(middle), margin)
-        if found[middle].bound_bytes <= budget_bytes:
-          high = middle
-        else:
-          low = middle
-      chosen = high
-    else:
-      chosen = 0
+    found, (count, nest) = _fewest_that_fit(
+        lambda k, nest=False: planner.Measured.of(peaks(k, nest), margin),
+        keep, len(layers), budget_bytes, nested)
   finally:
     undo_remat_in_place(layers)
-  if found[chosen].bound_bytes > budget_bytes:
+  if found[count, nest].bound_bytes > budget_bytes:
+    lowest = min(found.values(), key=lambda m: m.bound_bytes)
+    tried = "rematerialized, and nested," if nested else "rematerialized"
     raise errors.InvalidArgumentError(
         f"remat_in_place_for_budget: with all {len(layers)} layer(s) "
-        "rematerialized the training step's bound is "
-        f"{measure.format_bytes(found[chosen].bound_bytes)}, "
-        f"{found[chosen].bound_bytes / keep.peak_bytes:.0%} of the peak "
+        f"{tried} the training step's lowest bound is "
+        f"{measure.format_bytes(lowest.bound_bytes)}, "
+        f"{lowest.bound_bytes / keep.peak_bytes:.0%} of the peak "
         f"without ({measure.format_bytes(keep.peak_bytes)}), above the "
         f"budget of {measure.format_bytes(budget_bytes)}. Raise the budget, "
         "give more of the model's layers, a save policy that keeps less, or "
         "a smaller batch.")
-  if chosen:
-    remat_in_place(layers[:chosen], policy=policy)
+  if count:
+    remat_in_place(layers[:count], policy=policy, nested=nest)
   model.make_train_function(force=True)
-  return InPlaceBudget(layers[:chosen], found[chosen], keep, budget_bytes)
+  return InPlaceBudget(layers[:count], found[count, nest], keep,
+                       budget_bytes, nested=nest)
+
+
+def _fewest_that_fit(measured, keep, n, budget_bytes, nested):
+  """`remat_in_place_for_budget`'s search over the first k of n layers.
+
+  `measured(k, nest)` measures the step with the first k rematerialized
+  (nested if `nest`). Returns every (k, nest) measured, with its
+  `planner.Measured`, and the one chosen: the fewest that fit, else the
+  last one tried.
+  """
+  found = {(0, False): keep}
+  if keep.bound_bytes <= budget_bytes:
+    return found, (0, False)
+  found[n, False] = measured(n)
+  low, high = 0, n  # low does not fit; high may.
+  while high - low > 1 and found[high, False].bound_bytes <= budget_bytes:
+    middle = (low + high) // 2
+    found[middle, False] = measured(middle)
+    if found[middle, False].bound_bytes <= budget_bytes:
+      high = middle
+    else:
+      low = middle
+  chosen = (high, False)
+  if found[chosen].bound_bytes > budget_bytes and nested:
+    # Every layer alone is over: each layer's rerun holds all of its own
+    # layers' working sets at once; nested, one at a time.
+    chosen = (n, True)
+    found[chosen] = measured(n, True)
+  return found, chosen
