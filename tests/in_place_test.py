@@ -139,13 +139,29 @@ def _dense_stack(dropout=None):
     if dropout is not None:
       layers.append(keras.layers.Dropout(dropout))
     blocks.append(keras.Sequential(layers + [keras.layers.Dense(64)]))
+  return _residual_model(blocks), blocks
+
+
+def _mlp_blocks_stack(count, mlps):
+  """`count` residual blocks, each `mlps` MLPs in a row (Dense(256, gelu),
+  Dropout, Dense(64)), as a compiled functional model; and the blocks."""
+  keras.utils.set_random_seed(0)
+  blocks = [keras.Sequential([keras.Sequential([
+      keras.layers.Dense(256, activation="gelu"),
+      keras.layers.Dropout(0.2, seed=mlps * i + j), keras.layers.Dense(64)])
+                              for j in range(mlps)]) for i in range(count)]
+  return _residual_model(blocks), blocks
+
+
+def _residual_model(blocks):
+  """x + block(x) through `blocks` (width 64), compiled with Adam and MSE."""
   x = keras.Input((64,))
   h = x
   for block in blocks:
     h = h + block(h)
   model = keras.Model(x, h)
   model.compile(optimizer="adam", loss="mse")
-  return model, blocks
+  return model
 
 
 def test_rematerialized_blocks_peak_lower():
@@ -168,16 +184,7 @@ def test_nested_sublayers_peak_lower_than_the_blocks_alone():
   # keeps their narrow outputs, and each MLP's own rerun one at a time.
   # Measured: 71-75 MiB alone, 36-41 MiB nested (0.49x-0.57x; keeping
   # everything 333 MiB).
-  keras.utils.set_random_seed(0)
-  blocks = [keras.Sequential([keras.Sequential([
-      keras.layers.Dense(256, activation="gelu"),
-      keras.layers.Dropout(0.2, seed=3 * i + j), keras.layers.Dense(64)])
-                              for j in range(3)]) for i in range(6)]
-  x = keras.Input((64,))
-  h = x
-  for block in blocks:
-    h = h + block(h)
-  model = keras.Model(x, h)
+  model, blocks = _mlp_blocks_stack(count=6, mlps=3)
   data = tf.random.stateless_normal([4096, 64], seed=[1, 2])
 
   def peak():  # A new trace: the blocks' call is chosen while tracing.
@@ -213,17 +220,7 @@ def test_budget_in_place_nests_the_layers_when_they_alone_are_over():
   # Four blocks of four MLPs (Dense(256, gelu), Dropout, Dense(64)), batch
   # 2048. Measured, of the step's peak without remat (157 MiB): the blocks
   # alone 0.29x-0.31x (bound about 42%), nested 0.12x-0.13x (about 23%).
-  keras.utils.set_random_seed(0)
-  blocks = [keras.Sequential([keras.Sequential([
-      keras.layers.Dense(256, activation="gelu"),
-      keras.layers.Dropout(0.2, seed=4 * i + j), keras.layers.Dense(64)])
-                              for j in range(4)]) for i in range(4)]
-  x = keras.Input((64,))
-  h = x
-  for block in blocks:
-    h = h + block(h)
-  model = keras.Model(x, h)
-  model.compile(optimizer="adam", loss="mse")
+  model, blocks = _mlp_blocks_stack(count=4, mlps=4)
   data = tf.random.stateless_normal([2048, 64], seed=[1, 2])
   with pytest.raises(ValueError, match=r"with all 4 layer\(s\) "
                      r"rematerialized the training step's lowest bound"):
