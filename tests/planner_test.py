@@ -267,6 +267,55 @@ def test_before_refusing_the_lowest_plan_is_measured():
   assert len(measured) == 3  # Keeping everything, one round, the lowest.
 
 
+def test_before_refusing_the_lowest_plan_is_measured_nested():
+  # Every plan measures over the budget, the lowest too: a layer's rerun
+  # holds all its own layers' working sets. Nested (each nestable layer
+  # rematerialized, its own layers one at a time), the lowest plan fits.
+  costs = random_costs(np.random.default_rng(6), 8)
+  keep = planner.keep_all(8)
+  keep_peak = planner.predict(costs, keep)[0]
+  nestable = [i % 2 == 0 for i in range(8)]
+  measured = []
+
+  def measured_peak(segments):
+    measured.append(segments)
+    peak = planner.predict(costs, segments)[0]
+    if segments == keep:
+      return int(peak)
+    return int(0.3 * keep_peak if any(s.nested for s in segments) else
+               peak + 0.5 * keep_peak)
+
+  lowest = planner.lowest_plan(costs).segments
+  chosen = planner.calibrated_plan(costs, 0.6, measured_peak, rounds=1,
+                                   nestable=nestable)
+  # Keeping everything, the round's plans (down to the lowest), nested.
+  assert measured[-2] == lowest and measured[-1] == chosen.segments
+  assert [s.nested for s in chosen.segments] == [
+      s.remat and any(nestable[s.start:s.stop]) or
+      (not s.remat and nestable[s.start]) for s in lowest]
+  assert all(s.remat for s in chosen.segments if s.nested)
+  assert chosen.measured.bound_bytes <= chosen.budget_bytes
+  assert ", nested" in str(chosen)
+  again = planner.Plan.from_config(chosen.get_config())
+  assert again.segments == chosen.segments and str(again) == str(chosen)
+  # Without nestable layers the budget is refused after the lowest plan.
+  measured.clear()
+  with pytest.raises(ValueError, match="the lowest bound measured"):
+    planner.calibrated_plan(costs, 0.6, measured_peak, rounds=1)
+  assert measured[-1] == lowest
+
+
+def test_only_a_rematerialized_segment_is_nested():
+  assert planner.Segment(0, 1, True, None, True).as_list() == [
+      0, 1, True, None, True]
+  assert planner.Segment(*[0, 1, True, None, True]).nested
+  assert planner.Segment(0, 1, True, "dots_saveable").as_list() == [
+      0, 1, True, "dots_saveable"]
+  with pytest.raises(ValueError, match="Only a rematerialized segment can be "
+                     "nested"):
+    planner.check_segments([planner.Segment(0, 1, False, None, True)], 1)
+
+
 def test_bound_is_the_largest_peak_plus_the_spread():
   measured = planner.Measured.of([100, 90, 96])
   assert (measured.peak_bytes, measured.bound_bytes, measured.calls) == (

@@ -23,6 +23,7 @@ from tfremat import errors
 from tfremat import measure
 from tfremat import planner
 from tfremat import policies as policies_lib
+from tfremat._src import in_place
 from tfremat._src import layers as layers_lib
 from tfremat._src import residuals
 from tfremat._src import watch
@@ -31,6 +32,7 @@ from tfremat._src.layers import RematerializationLayer
 __all__ = [
     "ContextUnit",
     "ContextSegment",
+    "nest_target",
     "RematSequential",
     "remat_sequential",
     "planned_policies",
@@ -99,20 +101,44 @@ class ContextUnit(keras.layers.Layer):
 
 
 class ContextSegment(keras.layers.Layer):
-  """A rematerialized segment's layers, run in order with the context."""
+  """A rematerialized segment's layers, run in order with the context.
 
-  def __init__(self, layers, **kwargs):
+  With `nested`, each layer's own layers (`nest_target`) are rematerialized
+  while it runs, under `policy` (`tfremat.planner.Segment.nested`).
+  """
+
+  def __init__(self, layers, nested=False, policy=None, **kwargs):
     super().__init__(**kwargs)
     self.chain = list(layers)
+    self.nested = nested
+    self.policy = policy
 
   def build(self, input_shape=None):
     del input_shape
     self.built = True
 
   def call(self, x, context=None, training=None):
-    for layer in self.chain:
-      x = _call_link(layer, x, context, training)
+    nesting = (in_place.sublayers_rematerialized(
+        [nest_target(l) for l in self.chain], self.policy)
+               if self.nested else contextlib.nullcontext())
+    with nesting:
+      for layer in self.chain:
+        x = _call_link(layer, x, context, training)
     return x
+
+
+def nest_target(layer):
+  """The layer whose own layers a nested segment rematerializes for `layer`:
+  the layer itself, or for a `ContextUnit` or a model of one layer (a
+  transformer layer as `tfremat.remat_model` cuts it out), that layer."""
+  if isinstance(layer, ContextUnit):
+    layer = layer.unit
+  while isinstance(layer, keras.Model):
+    inner = in_place.sublayers(layer)
+    if len(inner) != 1:
+      break
+    layer = inner[0]
+  return layer
 
 
 def _call_link(layer, x, context, training):
@@ -137,7 +163,10 @@ class RematSequential(keras.layers.Layer):
       or a `keras.Sequential` of them.
     segments: `(start, stop, remat)` triples covering the chain in order,
       or `(start, stop, remat, policy)` with a built-in save policy's name
-      (`tfremat.policies`) for a rematerialized segment.
+      (`tfremat.policies`) for a rematerialized segment, or `(start, stop,
+      True, policy, True)` (policy may be None) for a nested one: its
+      layers' own layers are rematerialized inside its rerun
+      (`tfremat.planner.Segment`).
     plan: the planner's `Plan` that chose the segments, if it did; kept in
       the layer's config, so `.plan` prints the same after a `.keras` file
       is saved and loaded.
@@ -176,7 +205,9 @@ class RematSequential(keras.layers.Layer):
     self.steps = []
     for seg in segments:
       part = layers[seg.start:seg.stop]
-      if any(isinstance(l, ContextUnit) for l in part):
+      if seg.nested:
+        body = ContextSegment(part, nested=True, policy=seg.policy or policy)
+      elif any(isinstance(l, ContextUnit) for l in part):
         body = ContextSegment(part)
       else:
         body = keras.Sequential(part)
@@ -396,8 +427,9 @@ def remat_sequential(layers, segments=None, budget=None, sample_input=None,
       with a unit ("200MiB"), or a fraction of the measured peak of keeping
       everything, as a float in (0, 1] or a percentage ("50%"). The chain is
       measured on `sample_input`, and the planner picks the fastest choice
-      that fits, checked by measurement (`checked_plan`). Every variable of
-      `layers` is left as it was.
+      that fits, checked by measurement (`checked_plan`); when nothing else
+      fits, that may be layers rematerialized with their own layers nested
+      inside their reruns. Every variable of `layers` is left as it was.
     sample_input: a batch like the ones the chain will train on.
     verbose: 1 shows a progress bar while the chain is measured; 0 shows
       nothing.
@@ -476,6 +508,10 @@ def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
       rematerialized segment (measured on each layer unless `costs` is
       given).
 
+  Layers with at least two layers of their own (`nest_target`) may be
+  nested in the lowest plan, measured before a budget is refused
+  (`planner.calibrated_plan`, step 5).
+
   Every variable of `layers` is left as it was: measuring runs training
   steps, which move BatchNormalization statistics and advance dropout seed
   generators, so their values are put back afterwards.
@@ -503,7 +539,9 @@ def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
     if costs is None:
       costs = measure_chain(layers, sample_input, progress=progress,
                             policies=policies)
-    chosen = planner.calibrated_plan(costs, budget, measured_peak, rounds)
+    chosen = planner.calibrated_plan(
+        costs, budget, measured_peak, rounds,
+        nestable=[in_place.can_nest(nest_target(l)) for l in layers])
   if progress is not None:
     progress.update(progress.target, finalize=True)
   return chosen

@@ -21,7 +21,9 @@ measurements; `plan` finds the fastest plan whose predicted peak fits the
 budget, exactly, by dynamic programming over (retained bytes, time) Pareto
 fronts; `calibrated_plan` checks its choices against measured peaks.
 Recursive schedules (rematerializing inside a rematerialized segment) are
-not searched.
+not searched; before a budget is refused, the lowest plan is measured with
+its layers' own layers rematerialized inside their reruns (`Segment.nested`,
+`calibrated_plan`).
 """
 
 import dataclasses
@@ -169,15 +171,24 @@ class Segment:
 
   `policy` names the built-in save policy a rematerialized segment runs
   under (`tfremat.policies`), or is None: everything is recomputed.
+  `nested`, for a rematerialized segment: each of its layers' own layers
+  (one level down, as `tfremat.remat_in_place(..., nested=True)` takes them)
+  are rematerialized too, inside the segment's rerun, under the same policy.
+  The cost model does not model nesting: it predicts a nested segment as
+  the same segment not nested.
   """
   start: int
   stop: int
   remat: bool
   policy: str = None
+  nested: bool = False
 
   def as_list(self):
-    """[start, stop, remat] or, with a policy, [start, stop, remat, policy]."""
+    """[start, stop, remat], then the policy if one is named, and True if
+    nested (after the policy, None if there is none)."""
     items = [self.start, self.stop, self.remat]
+    if self.nested:
+      return items + [self.policy, True]
     return items + [self.policy] if self.policy else items
 
 
@@ -325,6 +336,12 @@ def check_segments(segments, n):
     raise errors.InvalidArgumentError(
         f"segments must cover layers 0..{n} in order without gaps; got "
         f"{segments}.")
+  kept_nested = [s for s in segments if s.nested and not s.remat]
+  if kept_nested:
+    raise errors.InvalidArgumentError(
+        f"Only a rematerialized segment can be nested (its layers' own "
+        f"layers rematerialized inside its rerun); got {kept_nested}. Give "
+        "remat=True, or nested=False.")
 
 
 def segment_policies(costs):
@@ -549,7 +566,7 @@ class Plan:
         if not seg.remat:
           what, stored = "keep", c.saved_bytes
         else:
-          what = f"remat {k}"
+          what = f"remat {k}" + (", nested" if seg.nested else "")
           if seg.policy:
             keeps = c.policy_keeps.get(seg.policy)
             what += (f", keeps {keeps}" if keeps else
@@ -605,7 +622,9 @@ LEGEND = """\
 decision: keep (the layer's activations are stored for the backward pass) or
   remat k (segment k's layers rerun in the backward pass; only its last
   output is stored, and what its save policy keeps, if one is named: "keeps
-  dots" are matrix products and convolutions, "masks" dropout masks).
+  dots" are matrix products and convolutions, "masks" dropout masks;
+  "nested": the layer's own layers are rematerialized inside its rerun, one
+  working set at a time; the cost model counts it as not nested).
 stored: what the layer stores for the backward pass under this decision,
   beyond its output. output: its output. fwd ms: one forward call (what
   rerunning it costs). wait ms: what its rerun adds when it waits for later
@@ -623,7 +642,7 @@ stored: what the layer stores for the backward pass under this decision,
 FASTER_BY = 0.03
 
 
-def calibrated_plan(costs, budget, measured_peak, rounds=4):
+def calibrated_plan(costs, budget, measured_peak, rounds=4, nestable=None):
   """The plan for `budget`, chosen on measured peaks, not on the model alone.
 
   The cost model's peaks are estimates, above the measured ones on some
@@ -648,8 +667,12 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4):
      when the next plan is not predicted to be `FASTER_BY` faster than one
      that fits.
   4. If no plan measured fits, the plan the model predicts to peak lowest
-     (`lowest_plan`) is measured too (if it was not), before the budget is
-     refused.
+     (`lowest_plan`) is measured too (if it was not).
+  5. If that does not fit either, the same plan nested (`Segment.nested`:
+     every layer that has layers of its own, by `nestable`, is
+     rematerialized and reruns those one at a time) is measured, before the
+     budget is refused. A transformer layer's rerun holds its attention's
+     and its feed-forward's working sets at once; nested, one of them.
 
   Args:
     costs: the chain's LayerCosts.
@@ -659,7 +682,9 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4):
       chain under them: a list of per-call peaks, a `Measured`, or one int
       (`tfremat.chain.checked_plan` measures).
     rounds: how many plans to measure at most, besides keeping everything
-      and, before refusing, the lowest plan (step 4).
+      and, before refusing, the lowest plan (steps 4 and 5).
+    nestable: per layer, whether it has layers of its own to rematerialize
+      inside its rerun (step 5); None: none has.
 
   Returns:
     The fastest (by the model) plan whose measured bound is within the
@@ -678,13 +703,15 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4):
   keep.measured = Measured.of(first, margin)
   budget_bytes = budget.bytes_given(keep_peak)
   chosen = _calibrated(costs, keep, budget, budget_bytes,
-                       lambda s: Measured.of(measured_peak(s), margin), rounds)
+                       lambda s: Measured.of(measured_peak(s), margin), rounds,
+                       nestable)
   chosen.budget, chosen.budget_bytes = budget, budget_bytes
   chosen.measured_keep = keep.measured
   return chosen
 
 
-def _calibrated(costs, keep, budget, budget_bytes, measured_peak, rounds):
+def _calibrated(costs, keep, budget, budget_bytes, measured_peak, rounds,
+                nestable=None):
   """`calibrated_plan`'s search, from the measured keep-everything plan."""
   # Keeping everything is the fastest plan; use it whenever it really fits,
   # whatever the model predicts, and for 100% of itself.
@@ -728,20 +755,46 @@ def _calibrated(costs, keep, budget, budget_bytes, measured_peak, rounds):
       break  # It fits, and no faster plan is predicted to.
   fitting = _fitting(tried, keep, budget_bytes)
   if not fitting:
-    # Before refusing: the plan the model predicts to peak lowest, if the
-    # rounds did not get down to it (plans near the budget measured over
-    # it, and each round lowered the target only a little).
-    floor = floor_plan()
-    if tuple(floor.segments) not in tried:
-      floor.measured = measured_peak(floor.segments)
-      tried[tuple(floor.segments)] = floor
-      fitting = _fitting(tried, keep, budget_bytes)
+    fitting = _lowest_fitting(costs, tried, keep, budget_bytes,
+                              measured_peak, floor_plan(), nestable)
   if fitting:
     return min(fitting, key=lambda p: p.seconds)
   lowest = min(tried.values(), key=lambda p: p.measured.bound_bytes)
   raise unreachable_budget_error(costs, budget, budget_bytes,
                                  keep.measured.peak_bytes,
                                  lowest.measured.bound_bytes)
+
+
+def _lowest_fitting(costs, tried, keep, budget_bytes, measured_peak, floor,
+                    nestable):
+  """Before refusing: `floor`, the plan the model predicts to peak lowest,
+  if the rounds did not get down to it (plans near the budget measured over
+  it, and each round lowered the target only a little); then, if it does
+  not fit, the same plan nested, lower still and slower. Measures into
+  `tried`; returns the plans that fit."""
+  for segments in (floor.segments, _nested(floor.segments, nestable)):
+    if segments and tuple(segments) not in tried:
+      tried[tuple(segments)] = Plan(costs, segments)
+      tried[tuple(segments)].measured = measured_peak(segments)
+      fitting = _fitting(tried, keep, budget_bytes)
+      if fitting:
+        return fitting
+  return []
+
+
+def _nested(segments, nestable):
+  """`segments` with every nestable layer rematerialized and nested: a
+  rematerialized segment holding one is nested, a kept one is
+  rematerialized and nested (the lowest plan may keep a layer whose working
+  set the model sees as the peak anyway, which nesting would lower). None if
+  no layer is nestable."""
+  if not nestable or not any(nestable):
+    return None
+  return [dataclasses.replace(s, nested=True)
+          if s.remat and any(nestable[s.start:s.stop]) else
+          Segment(s.start, s.stop, True, None, True)
+          if nestable[s.start] and s.stop - s.start == 1 else s
+          for s in segments]
 
 
 def _fitting(tried, keep, budget_bytes):

@@ -12,6 +12,7 @@ runs `tf.recompute_grad`), routed to `RematerializeFn` instead, so its
 gradients are exact under dropout and its state updates once.
 """
 
+import contextlib
 import functools
 
 import keras
@@ -62,7 +63,7 @@ def _hook_missing():
   return not hasattr(keras.layers.Layer, "rematerialized_call")
 
 
-def _sublayers(layer):
+def sublayers(layer):
   """`layer`'s own layers, one level down, that `remat_in_place` can
   rematerialize (a functional block's layers, a transformer layer's
   attention, feed-forward and normalization layers), in Keras's order."""
@@ -125,12 +126,40 @@ def remat_in_place(layers, policy=None, nested=False):
   for layer in layers:
     _mark(layer, policy)
     if nested:
-      inner = [l for l in _sublayers(layer) if l not in layers]
+      inner = [l for l in sublayers(layer) if l not in layers]
       for sublayer in inner:
         _mark(sublayer, policy)
       object.__setattr__(layer, _NESTED, tuple(
           dict.fromkeys(getattr(layer, _NESTED, ()) + tuple(inner))))
   return layers
+
+
+@contextlib.contextmanager
+def sublayers_rematerialized(layers, policy=None):
+  """While the block runs, each of `layers`' own layers (`sublayers`) is
+  rematerialized as `remat_in_place` does it, unless it already is; after
+  it, they run as before. A nested segment of a planned chain
+  (`tfremat.planner.Segment.nested`) runs its layers so, in its forward
+  pass and again in its rerun. Without Keras's layer hook (before Keras
+  3.9), nothing is nested."""
+  marked = []
+  if not _hook_missing():
+    for layer in layers:
+      for sublayer in sublayers(layer):
+        if not is_remat_in_place(sublayer) and sublayer not in marked:
+          _mark(sublayer, policy)
+          marked.append(sublayer)
+  try:
+    yield
+  finally:
+    for sublayer in marked:
+      _unmark(sublayer)
+
+
+def can_nest(layer):
+  """Whether `sublayers_rematerialized` has at least two of `layer`'s own
+  layers to rematerialize (with one, nesting keeps what its rerun keeps)."""
+  return not _hook_missing() and len(sublayers(layer)) >= 2
 
 
 def _mark(layer, policy):
