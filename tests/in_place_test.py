@@ -75,6 +75,28 @@ def test_nested_sublayers_give_the_plain_gradients_and_state(device, mode):
   assert not any(tfremat.is_remat_in_place(l) for l in blocks + inside)
 
 
+def test_the_planner_nests_layers_with_composite_layers_of_their_own():
+  # A block of MLPs is worth nesting (so is a transformer layer, whose
+  # attention has layers of its own: keras_hub_test). A chain of single
+  # layers (a convolution, its normalization, its activation) keeps little
+  # inside each beyond its input, which the plain rerun holds anyway.
+  from tfremat._src import in_place  # pylint: disable=g-import-not-at-top
+  mlp = lambda: keras.Sequential([keras.layers.Dense(8, activation="gelu"),
+                                  keras.layers.Dense(4)])
+  assert in_place.can_nest(keras.Sequential([mlp(), mlp()]))
+  assert not in_place.can_nest(keras.Sequential([
+      keras.layers.Conv2D(4, 3), keras.layers.BatchNormalization(),
+      keras.layers.ReLU()]))
+  assert not in_place.can_nest(keras.Sequential([mlp()]))  # One: no gain.
+  # A remat_model unit around one layer (a transformer layer cut out of a
+  # backbone) nests that layer's own layers.
+  x = keras.Input((16,))
+  block = keras.Sequential([mlp(), mlp()])
+  unit = keras.Model(x, block(x))
+  assert chain.nest_target(unit) is block
+  assert chain.nest_target(chain.ContextUnit(unit, [])) is block
+
+
 def test_nested_leaves_layers_named_themselves_to_their_own_undo():
   _, blocks = _model(blocks=1)
   dense, dropout = [l for l in blocks[0].layers

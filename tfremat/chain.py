@@ -508,9 +508,10 @@ def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
       rematerialized segment (measured on each layer unless `costs` is
       given).
 
-  Layers with at least two layers of their own (`nest_target`) may be
-  nested in the lowest plan, measured before a budget is refused
-  (`planner.calibrated_plan`, step 5).
+  Layers whose own layers are worth rematerializing one at a time inside
+  their reruns (`nest_target`: a transformer layer's attention and
+  feed-forward layers) may be nested in the lowest plan, measured before a
+  budget is refused (`planner.calibrated_plan`, step 5).
 
   Every variable of `layers` is left as it was: measuring runs training
   steps, which move BatchNormalization statistics and advance dropout seed

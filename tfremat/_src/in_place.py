@@ -157,9 +157,17 @@ def sublayers_rematerialized(layers, policy=None):
 
 
 def can_nest(layer):
-  """Whether `sublayers_rematerialized` has at least two of `layer`'s own
-  layers to rematerialize (with one, nesting keeps what its rerun keeps)."""
-  return not _hook_missing() and len(sublayers(layer)) >= 2
+  """Whether nesting `layer` can lower its rerun's peak: it has at least two
+  layers of its own, and one of them has layers of its own (a transformer
+  layer's attention, a block's MLP). Nested, a layer reruns keeping its
+  input, the output of the layer before it, which the plain rerun holds
+  anyway; only what a layer keeps inside it is saved. A chain of single
+  layers (a CNN block's convolutions, normalizations and activations)
+  keeps little inside each, so nesting it would cost a forward pass for
+  next to nothing."""
+  own = sublayers(layer)
+  return (not _hook_missing() and len(own) >= 2 and
+          any(sublayers(l) for l in own))
 
 
 def _mark(layer, policy):
