@@ -172,7 +172,8 @@ class Segment:
   `policy` names the built-in save policy a rematerialized segment runs
   under (`tfremat.policies`), or is None: everything is recomputed.
   `nested`, for a rematerialized segment: each of its layers' own layers
-  (one level down, as `tfremat.remat_in_place(..., nested=True)` takes them)
+  (one level down, as `tfremat.remat_in_place(..., nested=True)` takes them;
+  for a unit that wraps one layer, that layer's: `tfremat.chain.nest_target`)
   are rematerialized too, inside the segment's rerun, under the same policy.
   The cost model does not model nesting: it predicts a nested segment as
   the same segment not nested.
