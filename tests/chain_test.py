@@ -431,9 +431,14 @@ def test_identical_layers_are_measured_once_and_share_their_costs(
 def test_remat_sequential_matches_plain_in_every_mode(device, mode, ordered):
   # BatchNormalization and dropout in a kept and a rematerialized segment;
   # ordered, a tf.function builds the chain's backward pass itself.
+  _assert_chain_parity([(0, 1, False), (1, 3, True)], ordered, mode, device)
+
+
+def _assert_chain_parity(segments, ordered, mode, device):
+  """A RematSequential of `_bn_dropout_chain` under `segments` gives the
+  plain chain's gradients and state in `mode`; returns the chain's layers."""
   layers, x = _bn_dropout_chain()
-  layer = tfremat.RematSequential(layers, [(0, 1, False), (1, 3, True)],
-                                  ordered=ordered)
+  layer = tfremat.RematSequential(layers, segments, ordered=ordered)
   layer(x)  # Builds; inference changes no state.
 
   def call(remat, h):
@@ -445,6 +450,7 @@ def test_remat_sequential_matches_plain_in_every_mode(device, mode, ordered):
 
   assert_parity(call, (x,), layer.trainable_weights, mode, device,
                 state=layer.variables)
+  return layers
 
 
 @pytest.mark.parametrize("policy", [None, "dots_saveable"])
@@ -452,21 +458,9 @@ def test_remat_sequential_matches_plain_in_every_mode(device, mode, ordered):
 def test_nested_segments_match_plain_in_every_mode(device, mode, policy):
   # Each block's own layers (BatchNormalization and dropout among them) are
   # rematerialized inside the block's rerun; one segment holds two blocks.
-  layers, x = _bn_dropout_chain()
-  layer = tfremat.RematSequential(
-      layers, [(0, 1, True, policy, True), (1, 3, True, policy, True)],
-      ordered=True)
-  layer(x)  # Builds; inference changes no state.
-
-  def call(remat, h):
-    if remat:
-      return layer(h, training=True)
-    for l in layers:
-      h = l(h, training=True)
-    return h
-
-  assert_parity(call, (x,), layer.trainable_weights, mode, device,
-                state=layer.variables)
+  layers = _assert_chain_parity(
+      [(0, 1, True, policy, True), (1, 3, True, policy, True)], True, mode,
+      device)
   # The blocks' own layers are rematerialized only while the chain runs.
   assert not any(tfremat.is_remat_in_place(l)
                  for block in layers for l in block.layers)
