@@ -791,11 +791,13 @@ def _nested(segments, nestable):
   no layer is nestable."""
   if not nestable or not any(nestable):
     return None
-  return [dataclasses.replace(s, nested=True)
-          if s.remat and any(nestable[s.start:s.stop]) else
-          Segment(s.start, s.stop, True, None, True)
-          if nestable[s.start] and s.stop - s.start == 1 else s
-          for s in segments]
+  nested = []
+  for s in segments:
+    if any(nestable[s.start:s.stop]):  # A kept segment is one layer.
+      s = (dataclasses.replace(s, nested=True) if s.remat else
+           Segment(s.start, s.stop, True, None, True))
+    nested.append(s)
+  return nested
 
 
 def _fitting(tried, keep, budget_bytes):
