@@ -203,15 +203,31 @@ def test_rematerializing_every_layer_peaks_at_most_keeping_everything(name):
   if name == "residual_mlp":  # Here activations dominate: it saves much.
     assert max(peaks[every]) <= 0.5 * min(peaks[keep]), peaks
 
-def test_an_unreachable_fraction_names_the_lowest_and_what_dominates_it():
-  # Six blocks whose weight gradients (3 MiB) are as large as everything
-  # else a step holds: no plan reaches half of keeping everything.
+def test_an_unreachable_fraction_names_the_lowest_and_what_dominates_it(
+    monkeypatch):
+  # Six blocks whose weight gradients (3 MiB) are more than half of what
+  # keeping everything peaks at: every plan's step ends holding them, so no
+  # plan reaches half of it. That is known once keeping everything is
+  # measured, before any layer is.
   blocks, x = _issue_chain("wide_hidden")
+  peaks = []
+
+  def measure_peaks(layer, x, calls, **kwargs):
+    peaks.append(layer.segments)
+    return measured_peaks(layer, x, calls, **kwargs)
+
+  def measure_layer(*args, **kwargs):
+    raise AssertionError("a layer was measured for a budget out of reach")
+
+  measured_peaks = chain.measure_peaks
+  monkeypatch.setattr(chain, "measure_peaks", measure_peaks)
+  monkeypatch.setattr(chain, "measure_layer", measure_layer)
   with pytest.raises(ValueError, match=(
-      r"(?s)budget of 50% of the keep-everything peak.*the lowest .* is "
-      r".* MiB, \d+% of the measured keep-everything peak.*What every plan "
-      r"holds, by the cost model: the weight gradients: 3.0 MiB")):
+      r"(?s)budget of 50% of the keep-everything peak.*the lowest bound any "
+      r"plan can have is .* MiB, \d+% of the measured keep-everything peak"
+      r".*the weight gradients, 3.0 MiB")):
     tfremat.remat_sequential(blocks, budget=0.5, sample_input=x, verbose=0)
+  assert peaks == [planner.keep_all(len(blocks))]
 
 def _measured_on_a_fake_clock(monkeypatch, dropout, names):
   """measure_layer's cost of a residual MLP block under the policies
@@ -368,8 +384,8 @@ def test_bad_budgets_fail_before_anything_is_measured(
 def test_checked_plan_shows_progress_without_escape_codes_in_a_log(
     monkeypatch, capsys):
   costs = random_costs(np.random.default_rng(6), 8)
-  monkeypatch.setattr(chain, "measure_peaks", lambda layer, x, calls: [int(
-      planner.predict(costs, layer.segments)[0])])
+  monkeypatch.setattr(chain, "measure_peaks", lambda layer, x, calls, **_: [
+      int(planner.predict(costs, layer.segments)[0])])
   layers = [keras.layers.Identity() for _ in costs]
   budget = 0.5
   chain.checked_plan(layers, budget, None, costs=costs, verbose=1)

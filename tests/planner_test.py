@@ -210,6 +210,44 @@ def test_budget_between_model_and_measurement_names_the_lowest_measured():
   assert keep_peak > need
 
 
+def test_a_budget_below_the_weight_gradients_is_refused_after_one_measurement(
+    monkeypatch):
+  # Every plan's step ends holding the weight gradients, and every bound
+  # adds the allocator margin: a budget below both is refused once keeping
+  # everything is measured, before any plan is.
+  monkeypatch.setattr(planner, "ALLOCATOR_MARGIN", 0.1)
+  costs = random_costs(np.random.default_rng(6), 8)
+  keep = planner.keep_all(8)
+  keep_peak = int(planner.predict(costs, keep)[0])
+  measured = []
+
+  def measured_peak(segments):
+    measured.append(segments)
+    return int(planner.predict(costs, segments)[0])
+
+  gradients = int(0.5 * keep_peak)
+  with pytest.raises(ValueError) as caught:
+    planner.calibrated_plan(costs, 0.55, measured_peak,
+                            gradient_bytes=gradients)
+  assert measured == [keep]
+  message = str(caught.value)
+  assert "budget of 55% of the keep-everything peak" in message, message
+  assert ("the lowest bound any plan can have is "
+          f"{(gradients + keep_peak // 10) / 2**20:.1f} MiB, 60% of the "
+          "measured keep-everything peak") in message, message
+  assert f"the weight gradients, {gradients / 2**20:.1f} MiB" in message
+  assert "ALLOCATOR_MARGIN" in message and "at least 60%" in message
+  # Above that floor the plans are measured as before; at 100% keeping
+  # everything is chosen, whatever the gradients.
+  measured.clear()
+  planner.calibrated_plan(costs, 0.65, measured_peak,
+                          gradient_bytes=gradients)
+  assert len(measured) > 1
+  chosen = planner.calibrated_plan(costs, 1.0, measured_peak,
+                                   gradient_bytes=keep_peak)
+  assert chosen.segments == keep
+
+
 def _retained(costs, segments):
   """Bytes a plan retains between its segments' forward and backward."""
   return sum(planner._segment_terms(costs, s)[1] for s in segments)  # pylint: disable=protected-access

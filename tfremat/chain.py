@@ -508,6 +508,10 @@ def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
       rematerialized segment (measured on each layer unless `costs` is
       given).
 
+  Keeping everything is measured first, before any layer: a budget below
+  the weight gradients its step returns plus the allocator margin is
+  refused then (`planner.gradients_floor_error`).
+
   Layers whose own layers are worth rematerializing one at a time inside
   their reruns (`nest_target`: a transformer layer's attention and
   feed-forward layers) may be nested in the lowest plan, measured before a
@@ -518,8 +522,9 @@ def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
   generators, so their values are put back afterwards.
 
   Raises:
-    ValueError: no plan measured fits the budget (the message gives the
-      lowest bound measured, as a fraction of keeping everything's peak).
+    ValueError: no plan measured fits the budget, or the weight gradients
+      put it out of reach (the message gives the lowest bound, as a
+      fraction of keeping everything's peak).
   """
   layers = _chain_layers(layers, "checked_plan")
   budget = planner.Budget.parse(budget)
@@ -528,21 +533,35 @@ def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
   steps = (len(layers) if costs is None else 0) + 1 + rounds + 1
   progress = measure.progress_bar(steps, "measurement", verbose)
 
-  def measured_peak(segments):
+  def measured_peak(segments, **kwargs):
     peaks = measure_peaks(RematSequential(layers, segments,
                                           ordered=PLANNED_ORDER), sample_input,
-                          calls=CHECK_CALLS)
+                          calls=CHECK_CALLS, **kwargs)
     if progress is not None:
       progress.add(1)
     return peaks
 
+  keep, gradients = planner.keep_all(len(layers)), []
   with _variables_restored(layers, sample_input), retracing_quiet():
+    # Keeping everything first: with the weight gradients' bytes, it can
+    # show the budget out of reach before any layer is measured.
+    keep_peaks = measured_peak(keep, gradients=gradients)
+    gradient_bytes = sum(gradients)
+    keep_bound = planner.Measured.of(
+        keep_peaks, int(planner.ALLOCATOR_MARGIN * max(keep_peaks)))
+    error = planner.gradients_floor_error(
+        budget, budget.bytes_given(max(keep_peaks)), keep_bound,
+        gradient_bytes)
+    if error is not None:
+      raise error
     if costs is None:
       costs = measure_chain(layers, sample_input, progress=progress,
                             policies=policies)
     chosen = planner.calibrated_plan(
-        costs, budget, measured_peak, rounds,
-        nestable=[in_place.can_nest(nest_target(l)) for l in layers])
+        costs, budget,
+        lambda s: keep_peaks if s == keep else measured_peak(s), rounds,
+        nestable=[in_place.can_nest(nest_target(l)) for l in layers],
+        gradient_bytes=gradient_bytes)
   if progress is not None:
     progress.update(progress.target, finalize=True)
   return chosen
@@ -752,9 +771,23 @@ def measure_peak(layer, x, calls=measure.PEAK_CALLS):
   return max(measure_peaks(layer, x, calls))
 
 
-def measure_peaks(layer, x, calls=measure.PEAK_CALLS):
-  """Every call's peak bytes of `calls` training steps of `layer` on `x`."""
-  return measure.peaks(training_step(layer), x, calls=calls)
+def measure_peaks(layer, x, calls=measure.PEAK_CALLS, gradients=None):
+  """Every call's peak bytes of `calls` training steps of `layer` on `x`.
+
+  `gradients`, a list if given, gets the bytes of the weight gradients the
+  step returns, as it returns them: none for a weight the loss does not
+  reach, only the rows read for an embedding table (a dimension unknown
+  when traced counts as 0)."""
+  step = training_step(layer)
+  peaks = measure.peaks(step, x, calls=calls)
+  if gradients is not None:
+    returned = step.get_concrete_function(x).structured_outputs[1:]
+    parts = [t for g in returned if g is not None
+             for t in ([g.values, g.indices]
+                       if isinstance(g, tf.IndexedSlices) else [g])]
+    gradients.append(sum((t.shape.num_elements() or 0) * t.dtype.size
+                         for t in parts))
+  return peaks
 
 
 def structure_key(layer, x, policies=()):

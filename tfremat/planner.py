@@ -51,6 +51,7 @@ __all__ = [
     "short_policy_name",
     "floor_terms",
     "unreachable_budget_error",
+    "gradients_floor_error",
     "infeasible_budget_error",
     "keep_all",
     "uniform_segments",
@@ -643,7 +644,8 @@ stored: what the layer stores for the backward pass under this decision,
 FASTER_BY = 0.03
 
 
-def calibrated_plan(costs, budget, measured_peak, rounds=4, nestable=None):
+def calibrated_plan(costs, budget, measured_peak, rounds=4, nestable=None,
+                    gradient_bytes=0):
   """The plan for `budget`, chosen on measured peaks, not on the model alone.
 
   The cost model's peaks are estimates, above the measured ones on some
@@ -653,7 +655,9 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4, nestable=None):
   budget. So:
 
   1. Keeping everything is measured and chosen if its bound (`Measured`)
-     fits, or if the budget is 100% of it.
+     fits, or if the budget is 100% of it. A budget below
+     `gradient_bytes` plus the allocator margin is refused here, before any
+     plan is measured (`gradients_floor_error`).
   2. That measurement calibrates the model: plans are made for the budget
      less the allocator margin, times (predicted / measured bound less the
      margin, of keeping everything). The margin is bytes of keeping
@@ -686,6 +690,9 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4, nestable=None):
       and, before refusing, the lowest plan (steps 4 and 5).
     nestable: per layer, whether it has layers of its own to rematerialize
       inside its rerun (step 5); None: none has.
+    gradient_bytes: the bytes of the weight gradients the chain's training
+      step returns, as measured (`tfremat.chain.checked_plan` measures):
+      every plan's step ends holding them.
 
   Returns:
     The fastest (by the model) plan whose measured bound is within the
@@ -703,6 +710,10 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4, nestable=None):
   margin = int(ALLOCATOR_MARGIN * keep_peak)
   keep.measured = Measured.of(first, margin)
   budget_bytes = budget.bytes_given(keep_peak)
+  error = gradients_floor_error(budget, budget_bytes, keep.measured,
+                                gradient_bytes)
+  if error is not None:
+    raise error
   chosen = _calibrated(costs, keep, budget, budget_bytes,
                        lambda s: Measured.of(measured_peak(s), margin), rounds,
                        nestable)
@@ -839,6 +850,43 @@ def unreachable_budget_error(costs, budget, budget_bytes, keep_peak, lowest):
       f"holds, by the cost model: {terms}. Raise the budget to at least "
       f"{lowest / max(1, keep_peak):.0%}, or shrink the batch or the widest "
       "layer.")
+
+
+def gradients_floor_error(budget, budget_bytes, keep, gradient_bytes):
+  """The ValueError for a budget that no plan can meet because of its
+  weight gradients, or None.
+
+  Every plan's training step returns the same weight gradients, so each
+  plan's measured peak is at least their bytes, and its bound
+  (`Measured`) at least that plus the allocator margin. A budget below
+  that sum is out of reach whatever is rematerialized, which is known as
+  soon as keeping everything has been measured. Keeping everything is
+  still chosen where its own bound fits or the budget is 100% of it
+  (`calibrated_plan`, step 1).
+
+  Args:
+    budget: the Budget asked for (None: given in bytes).
+    budget_bytes: the budget in bytes.
+    keep: keeping everything's `Measured`, allocator margin included.
+    gradient_bytes: the bytes of the weight gradients a step returns.
+  """
+  lowest = gradient_bytes + keep.margin_bytes
+  if (lowest <= budget_bytes or keep.bound_bytes <= budget_bytes or
+      (budget is not None and budget.fraction == 1.0)):
+    return None
+  mib = measure.format_bytes
+  asked = (f"{budget.fraction:.0%} of the keep-everything peak, "
+           if budget is not None and budget.fraction is not None else "")
+  least = math.ceil(100 * lowest / max(1, keep.peak_bytes))
+  return errors.InvalidArgumentError(
+      f"No rematerialization plan fits a budget of {asked}{mib(budget_bytes)}:"
+      f" the lowest bound any plan can have is {mib(lowest)}, {least}% of the"
+      f" measured keep-everything peak ({mib(keep.peak_bytes)}). Every plan's"
+      f" training step ends holding the weight gradients, "
+      f"{mib(gradient_bytes)}, and every plan's bound adds the allocator "
+      f"margin, {mib(keep.margin_bytes)} (tfremat.planner.ALLOCATOR_MARGIN)."
+      " Rematerializing frees activations, not weight gradients: raise the "
+      f"budget to at least {least}% ({mib(lowest)}).")
 
 
 def plan(costs, budget_bytes):
