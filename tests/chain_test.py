@@ -4,6 +4,8 @@ planner's budgets checked against measured peaks."""
 
 import dataclasses
 import os
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -560,3 +562,37 @@ def test_an_ordered_chain_runs_in_the_executors_order_on_one_thread(
   ordered = control_edges()
   monkeypatch.setattr(chain, "_one_executor_thread", lambda: True)
   assert control_edges() < ordered
+
+
+_GELU_CHAIN = """
+import keras, tensorflow as tf, tfremat
+from tfremat import chain, planner
+chain._one_executor_thread = lambda: False  # Order, as on several CPUs.
+keras.utils.set_random_seed(0)
+gelu = lambda h: keras.activations.gelu(h, approximate=True)
+blocks = [keras.Sequential([keras.layers.Dense(256, activation=gelu),
+                            keras.layers.Dense(64)]) for _ in range(3)]
+layer = tfremat.RematSequential(blocks, planner.uniform_segments(3, 3),
+                                ordered=True)
+step = chain.training_step(layer)
+x = tf.random.stateless_normal([512, 64], seed=[1, 2])
+step(x)
+print(sum(len(op.control_inputs) for op in
+          step.get_concrete_function(x).graph.get_operations()
+          if op.type == "Pow"))
+"""
+
+
+@pytest.mark.slow
+def test_an_ordered_chain_leaves_graph_optimizations_on(tmp_path):
+  # Grappler rewrites x**3 (the tanh approximation of gelu, as GPT-2's
+  # feed-forward layers use it) into products, and fails where the power
+  # op waits on another op: the whole step then ran unoptimized, as only
+  # TensorFlow's log said (which the tests otherwise silence).
+  script = tmp_path / "gelu_chain.py"
+  script.write_text(_GELU_CHAIN)
+  done = subprocess.run([sys.executable, str(script)], capture_output=True,
+                        text=True, check=True,
+                        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0"))
+  assert "optimization failure" not in done.stderr, done.stderr[-2000:]
+  assert done.stdout.split()[-1] == "0"  # No power op waits on another.

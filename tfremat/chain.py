@@ -320,6 +320,12 @@ def _one_executor_thread():
 
 
 _SOURCE_OPS = frozenset(["Placeholder", "Const"])
+# Ops left out of the order. Grappler's arithmetic optimizer rewrites x**3
+# (in the tanh approximation of gelu, which GPT-2's, BERT's and Gemma's
+# layers use) into products, and fails where the power op waits on another
+# op; TensorFlow then runs the whole step unoptimized, saying so only in its
+# log ("Ignoring multi-device function optimization failure").
+_UNORDERED_OPS = frozenset(["Pow"])
 _LOOP_OPS = frozenset(["While", "StatelessWhile"])
 
 
@@ -367,7 +373,7 @@ class _OpOrder(watch.Handler):
     op = outputs[0].op
     newest = self.last._id if self.last is not None else self.first_id
     if (op.graph is not graph or op._id <= newest or
-        op.type in _SOURCE_OPS or
+        op.type in _SOURCE_OPS or op.type in _UNORDERED_OPS or
         all(t.op.type in _SOURCE_OPS for t in op.inputs) or
         _static_bytes(outputs) < _MIN_ORDERED_BYTES):
       return outputs
