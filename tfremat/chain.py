@@ -553,11 +553,9 @@ def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
     # show the budget out of reach before any layer is measured.
     keep_peaks = measured_peak(keep, gradients=gradients)
     gradient_bytes = sum(gradients)
-    keep_bound = planner.Measured.of(
-        keep_peaks, int(planner.ALLOCATOR_MARGIN * max(keep_peaks)))
+    kept = planner.Measured.keeping_everything(keep_peaks)
     error = planner.gradients_floor_error(
-        budget, budget.bytes_given(max(keep_peaks)), keep_bound,
-        gradient_bytes)
+        budget, budget.bytes_given(kept.peak_bytes), kept, gradient_bytes)
     if error is not None:
       raise error
     if costs is None:

@@ -100,6 +100,14 @@ class Measured:
       return cls(top, 2 * top - low + margin_bytes, len(value), margin_bytes)
     return cls(int(value), int(value) + margin_bytes, 1, margin_bytes)
 
+  @classmethod
+  def keeping_everything(cls, value):
+    """Keeping everything's Measured (from what `of` reads), its margin
+    `ALLOCATOR_MARGIN` of its own largest peak: the margin every other
+    plan's bound then carries."""
+    first = cls.of(value)
+    return cls.of(first, int(ALLOCATOR_MARGIN * first.peak_bytes))
+
 
 # The allocator margin of every plan's bound, as a fraction of the measured
 # peak of keeping everything (`Measured`): what one plan's peak moved by
@@ -705,11 +713,9 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4, nestable=None,
   """
   budget = Budget.parse(budget)
   keep = Plan(costs, keep_all(len(costs)))
-  first = Measured.of(measured_peak(keep.segments))
-  keep_peak = first.peak_bytes
-  margin = int(ALLOCATOR_MARGIN * keep_peak)
-  keep.measured = Measured.of(first, margin)
-  budget_bytes = budget.bytes_given(keep_peak)
+  keep.measured = Measured.keeping_everything(measured_peak(keep.segments))
+  margin = keep.measured.margin_bytes
+  budget_bytes = budget.bytes_given(keep.measured.peak_bytes)
   error = gradients_floor_error(budget, budget_bytes, keep.measured,
                                 gradient_bytes)
   if error is not None:

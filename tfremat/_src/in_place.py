@@ -343,8 +343,8 @@ def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
 
   try:
     keep_peaks = peaks(0)
-    margin = int(planner.ALLOCATOR_MARGIN * max(keep_peaks))
-    keep = planner.Measured.of(keep_peaks, margin)
+    keep = planner.Measured.keeping_everything(keep_peaks)
+    margin = keep.margin_bytes
     budget_bytes = budget.bytes_given(keep.peak_bytes)
     found, (count, nest) = _fewest_that_fit(
         lambda k, nest=False: planner.Measured.of(peaks(k, nest), margin),
