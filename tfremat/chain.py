@@ -262,10 +262,10 @@ class RematSequential(keras.layers.Layer):
         if order.loops:
           # A while loop's gradient adds inputs to the forward loop op, which
           # chained backward ops would then wait on in a circle.
-          grads = tf.gradients(y, [x] + variables, dy)
+          grads = _gradients(y, [x] + variables, dy)
         else:
           with _OpOrder():
-            grads = tf.gradients(y, [x] + variables, dy)
+            grads = _gradients(y, [x] + variables, dy)
         return grads[0], grads[1:]
 
       return y, grad
@@ -292,6 +292,15 @@ class RematSequential(keras.layers.Layer):
     layers = [keras.saving.deserialize_keras_object(
         l, custom_objects=custom_objects) for l in config.pop("layers")]
     return cls(layers, **config)
+
+
+def _gradients(ys, xs, grad_ys):
+  """`tf.gradients`, its ops placed as a tape's are: not colocated with the
+  forward ops (TF2's `tf.gradients` colocates each, and each rerun's with
+  its segment's custom-gradient op, at a cost in tracing and in the first
+  call's placement on every planned chain)."""
+  return tf.compat.v1.gradients(ys, xs, grad_ys,
+                                colocate_gradients_with_ops=False)
 
 
 def _one_executor_thread():
