@@ -563,8 +563,7 @@ def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
     keep_peaks = measured_peak(keep, gradients=gradients)
     gradient_bytes = sum(gradients)
     kept = planner.Measured.keeping_everything(keep_peaks)
-    error = planner.gradients_floor_error(
-        budget, budget.bytes_given(kept.peak_bytes), kept, gradient_bytes)
+    error = planner.gradients_floor_error(budget, kept, gradient_bytes)
     if error is not None:
       raise error
     if costs is None:

@@ -716,8 +716,7 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4, nestable=None,
   keep.measured = Measured.keeping_everything(measured_peak(keep.segments))
   margin = keep.measured.margin_bytes
   budget_bytes = budget.bytes_given(keep.measured.peak_bytes)
-  error = gradients_floor_error(budget, budget_bytes, keep.measured,
-                                gradient_bytes)
+  error = gradients_floor_error(budget, keep.measured, gradient_bytes)
   if error is not None:
     raise error
   chosen = _calibrated(costs, keep, budget, budget_bytes,
@@ -858,7 +857,7 @@ def unreachable_budget_error(costs, budget, budget_bytes, keep_peak, lowest):
       "layer.")
 
 
-def gradients_floor_error(budget, budget_bytes, keep, gradient_bytes):
+def gradients_floor_error(budget, keep, gradient_bytes):
   """The ValueError for a budget that no plan can meet because of its
   weight gradients, or None.
 
@@ -871,18 +870,19 @@ def gradients_floor_error(budget, budget_bytes, keep, gradient_bytes):
   (`calibrated_plan`, step 1).
 
   Args:
-    budget: the Budget asked for (None: given in bytes).
-    budget_bytes: the budget in bytes.
-    keep: keeping everything's `Measured`, allocator margin included.
+    budget: the Budget asked for.
+    keep: keeping everything's `Measured`, allocator margin included; a
+      fractional budget is a fraction of its peak.
     gradient_bytes: the bytes of the weight gradients a step returns.
   """
+  budget_bytes = budget.bytes_given(keep.peak_bytes)
   lowest = gradient_bytes + keep.margin_bytes
   if (lowest <= budget_bytes or keep.bound_bytes <= budget_bytes or
-      (budget is not None and budget.fraction == 1.0)):
+      budget.fraction == 1.0):
     return None
   mib = measure.format_bytes
   asked = (f"{budget.fraction:.0%} of the keep-everything peak, "
-           if budget is not None and budget.fraction is not None else "")
+           if budget.fraction is not None else "")
   least = math.ceil(100 * lowest / max(1, keep.peak_bytes))
   return errors.InvalidArgumentError(
       f"No rematerialization plan fits a budget of {asked}{mib(budget_bytes)}:"
