@@ -696,7 +696,7 @@ def measure_layer(layer, x, repeats=5, policies=()):
   out, inp = _nbytes(y), _nbytes(x)
   grads = _nbytes(layer.trainable_weights)
   once = training_step(layer)
-  peak_once = max(_traced_peaks(once, x, measure.PEAK_CALLS))
+  peak_once = measure.peak_bytes(once, x)
   if y.shape == x.shape and y.dtype == x.dtype:
     # The second application's weight gradients add to the first's in place.
     saved = _extra_peak_bytes(training_step(layer, 2), once, x) - out
@@ -708,7 +708,7 @@ def measure_layer(layer, x, repeats=5, policies=()):
       saved = measure.current_bytes() - before - out
     del tape, held
   saved = max(0, saved)
-  fwd_peak = measure.peak_bytes(forward, x, warmup=False)  # Called above.
+  fwd_peak = measure.peak_bytes(forward, x)
   kept, keeps, first_alike, empty = {}, {}, {}, set()
   for p, found in zip(policies, residuals.policy_residuals(
       lambda h: layer(h, training=True), x, among=policies)):
@@ -786,15 +786,12 @@ def measure_peak(layer, x, calls=measure.PEAK_CALLS):
 def measure_peaks(layer, x, calls=measure.PEAK_CALLS, gradients=None):
   """Every call's peak bytes of `calls` training steps of `layer` on `x`.
 
-  The step is traced for this call; on the CPU its first call is one of the
-  `calls` measured (`_traced_peaks`).
-
   `gradients`, a list if given, gets the bytes of the weight gradients the
   step returns, as it returns them: none for a weight the loss does not
   reach, only the rows read for an embedding table (a dimension unknown
   when traced counts as 0)."""
   step = training_step(layer)
-  peaks = _traced_peaks(step, x, calls)
+  peaks = measure.peaks(step, x, calls=calls)
   if gradients is not None:
     returned = step.get_concrete_function(x).structured_outputs[1:]
     parts = [t for g in returned if g is not None
@@ -803,26 +800,6 @@ def measure_peaks(layer, x, calls=measure.PEAK_CALLS, gradients=None):
     gradients.append(sum((t.shape.num_elements() or 0) * t.dtype.size
                          for t in parts))
   return peaks
-
-
-def _traced_peaks(step, x, calls):
-  """`measure.peaks(step, x, calls=calls)` for a `tf.function` step, with
-  its first call measured on the CPU instead of run unmeasured.
-
-  The step is traced first, unmeasured. On the CPU, the first call's peak
-  was within the later calls' range, or above their largest by at most 3.6%
-  (the bench transformer's chain, kept and rematerialized; ResNet50,
-  DenseNet121, MobileNetV2 and GPT2Backbone, original and
-  `remat_model(mode="full")`: docs/benchmarks.md, "Measurements behind the
-  defaults"). A high first call only raises a bound, and measuring it saves
-  a step in every check. On a GPU, the first call may also allocate scratch space to try
-  convolution algorithms (autotuning), which later calls do not, so it
-  stays unmeasured there.
-  """
-  if measure.memory_device() != "CPU:0":
-    return measure.peaks(step, x, calls=calls)
-  step.get_concrete_function(x)
-  return measure.peaks(step, x, calls=calls, warmup=False)
 
 
 def structure_key(layer, x, policies=()):

@@ -654,13 +654,12 @@ FASTER_BY = 0.03
 
 # `calibrated_plan` aims each plan this fraction below the room the budget
 # leaves (the budget less the allocator margin): the cost model's error
-# moves by a few percent from plan to plan, so a plan aimed at the room
-# itself often measured just over it, and each miss costs a measurement of
-# the whole chain. On the benchmark's transformer blocks, plans measured
-# 0.3-7% above what keeping everything's measurement calibrated the model
-# to predict for them on 8 blocks, and from 2% below to 4.5% above on 16;
-# by the model, 6% less room made a plan 0.7-2% slower (docs/benchmarks.md,
-# "Measurements behind the defaults").
+# moves by several percent from plan to plan and from process to process,
+# a plan aimed at the room itself misses whenever the error is positive, and
+# each miss costs a check of the whole chain. Aiming lower costs step time:
+# on the benchmark's transformer blocks, 6% less room made a plan 0.7-2%
+# slower by the model (docs/benchmarks.md, "Measurements behind the
+# defaults").
 AIM_BELOW = 0.03
 
 
