@@ -419,10 +419,11 @@ def test_the_margin_is_not_scaled_so_an_exact_model_plans_in_one_check(
 def test_plans_measuring_a_little_above_the_calibration_fit_in_one_check(
     monkeypatch, fraction):
   # Plans measure 2% above what keeping everything's measurement calibrates
-  # the model to (as on the benchmark's transformer blocks, where the error
-  # moved by a few percent from plan to plan). A plan aimed at the room the
-  # budget leaves would land just over it, and each miss costs a check of
-  # the whole chain; aimed a little below, the first plan fits.
+  # the model to (on the benchmark's transformer blocks the error moved by
+  # several percent either way, from plan to plan and between processes).
+  # A plan aimed at the room the budget leaves would land just over it, and
+  # each miss costs a check of the whole chain; aimed a little below, the
+  # first plan fits.
   monkeypatch.setattr(planner, "ALLOCATOR_MARGIN", 0.1)
   costs = random_costs(np.random.default_rng(6), 8)
   keep = planner.keep_all(8)
