@@ -641,7 +641,7 @@ def _extra_peak_bytes(more, less, x):
       for _ in range(measure.PEAK_CALLS)]))
 
 
-def training_step(layer, applications=1, jit=False):
+def training_step(layer, applications=1, jit=False, traced=None):
   """A traced training step of a chain: forward and backward of `layer`
   (applied `applications` times in a row) on a batch, for the loss
   sum(y**2) / 2 summed over its outputs y; returns the input and weight
@@ -651,22 +651,73 @@ def training_step(layer, applications=1, jit=False):
   shape (such as ones), TensorFlow prunes the forward ops whose values the
   backward pass does not read, so a rematerialized last segment's forward
   pass would cost nothing and every timing and peak would be too low.
+
+  `traced`, a dict if given, gets on tracing where the step's forward and
+  backward ops are in its graph, for `_saved_bytes`.
   """
 
   def step(x):
+    graph = tf.compat.v1.get_default_graph()
+    first = watch.last_op_id(graph)
     with tf.GradientTape() as tape:
       tape.watch([t for t in tf.nest.flatten(x) if t.dtype.is_floating])
       y = x
       for _ in range(applications):
         y = layer(y, training=True)
+    forward_end = watch.last_op_id(graph)
     # Read after the call: an unbuilt layer makes its weights in it.
     weights = layer.trainable_weights
     # d(sum(y**2) / 2)/dy = y: the loss's gradient, without the loss's ops.
-    return tape.gradient(
+    grads = tape.gradient(
         y, [x] + weights,
         output_gradients=tf.nest.map_structure(tf.stop_gradient, y))
+    if traced is not None:
+      traced.update(graph=graph, ends=tf.nest.flatten([x, y]),
+                    forward=(first, forward_end),
+                    backward=(forward_end, watch.last_op_id(graph)))
+    return grads
 
   return measure.replicated(step, jit_compile=jit)
+
+
+# Ops whose outputs a step holds whether or not anything is rematerialized
+# (weights, constants), or that hold no activation.
+_HELD_ANYWAY_OPS = frozenset(["Const", "Placeholder", "ReadVariableOp",
+                              "VarHandleOp", "Shape", "ShapeN", "Size",
+                              "Rank"])
+
+
+def _saved_bytes(traced):
+  """The bytes of the forward pass's tensors that the backward pass of a
+  traced `training_step` reads, besides the step's input and output, or
+  None where a tensor's size is not known from the graph (an unknown
+  dimension, or a TensorList such as a while loop's gradient accumulates).
+
+  These are what the step keeps from its forward pass for its backward
+  pass. Weights, constants and what is computed from them alone are not
+  counted: every plan holds them.
+  """
+  # pylint: disable=protected-access
+  (first, forward_end), (_, backward_end) = traced["forward"], traced["backward"]
+  ends = {t.ref() for t in traced["ends"] if isinstance(t, tf.Tensor)}
+  seen, total = set(), 0
+  for op in traced["graph"].get_operations():
+    if not forward_end < op._id <= backward_end:
+      continue
+    for t in op.inputs:
+      producer = t.op
+      if (not first < producer._id <= forward_end or
+          t.ref() in ends or t.ref() in seen):
+        continue
+      seen.add(t.ref())
+      if (producer.type in _HELD_ANYWAY_OPS or
+          all(u.op.type in _HELD_ANYWAY_OPS for u in producer.inputs)):
+        continue
+      if (t.dtype in (tf.variant, tf.resource, tf.string) or
+          not t.shape.is_fully_defined()):
+        return None
+      total += t.shape.num_elements() * t.dtype.size
+  return total
 
 
 def measure_layer(layer, x, repeats=5, policies=()):
@@ -674,12 +725,17 @@ def measure_layer(layer, x, repeats=5, policies=()):
 
   Times are medians of `repeats` calls of traced functions. Bytes come from
   the allocator's statistics around traced calls (`measure.peak_bytes`).
-  What the layer keeps for its backward pass is estimated as what a second
-  application adds to the peak: while the second one runs its backward pass,
-  the first one's saved tensors and output are held (an estimate: the two
-  peaks need not fall at corresponding points). For a layer whose output shape
-  differs from its input's, it is what an eager GradientTape holds instead
-  (usually more than a traced function keeps).
+  What the layer keeps for its backward pass (besides its input and output)
+  is read from its traced training step: the forward pass's tensors that the
+  backward pass reads (`_saved_bytes`), exact and the same on every run.
+  Where a tensor's size is not in the graph (a while loop's accumulators, an
+  unknown dimension), it is measured instead: as what a second application
+  adds to the peak (while the second one runs its backward pass, the first
+  one's saved tensors and output are held; an estimate, as the two peaks
+  need not fall at corresponding points), or, for a layer whose output
+  shape differs from its input's, as what an eager GradientTape holds
+  (usually more than a traced function keeps: 3x on a Conv2D,
+  BatchNormalization and ReLU block).
 
   For each save policy named in `policies`, what the layer keeps when
   rematerialized under it is read from one traced forward pass (as
@@ -695,12 +751,14 @@ def measure_layer(layer, x, repeats=5, policies=()):
   y = forward(x)
   out, inp = _nbytes(y), _nbytes(x)
   grads = _nbytes(layer.trainable_weights)
-  once = training_step(layer)
+  traced = {}
+  once = training_step(layer, traced=traced)
   peak_once = measure.peak_bytes(once, x)
-  if y.shape == x.shape and y.dtype == x.dtype:
+  saved = _saved_bytes(traced)
+  if saved is None and y.shape == x.shape and y.dtype == x.dtype:
     # The second application's weight gradients add to the first's in place.
     saved = _extra_peak_bytes(training_step(layer, 2), once, x) - out
-  else:
+  elif saved is None:
     before = measure.current_bytes()
     with tf.GradientTape() as tape:
       tape.watch(x)
