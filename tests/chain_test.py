@@ -52,17 +52,20 @@ def test_measure_layer_counts_bytes_exactly(width_in):
   assert cost.forward_seconds > 0 and cost.backward_seconds >= 0
   assert y.shape == (512, 64)
 
-@pytest.mark.parametrize("channels_in", [32, 16])
+@pytest.mark.parametrize("channels_in, use_bias",
+                         [(32, True), (16, True), (16, False)])
 def test_measure_layer_counts_what_a_conv_blocks_backward_pass_reads(
-    channels_in):
+    channels_in, use_bias):
   # Conv2D -> BatchNormalization -> ReLU, its output shaped as its input
   # (32 channels) or not (16). The backward pass reads the convolution's
   # output (BatchNormalization's input) and the batch statistics; the
   # block's input and output are counted as such. Counted from an eager
   # tape, the block changing shape measured 3x that; from the extra peak of
-  # a second application, the other measured 1.04x.
+  # a second application, the other measured 1.04x. Without a bias, the
+  # convolution's output is computed from the input and a weight alone.
   keras.utils.set_random_seed(0)
-  block = keras.Sequential([keras.layers.Conv2D(32, 3, padding="same"),
+  block = keras.Sequential([keras.layers.Conv2D(32, 3, padding="same",
+                                                use_bias=use_bias),
                             keras.layers.BatchNormalization(),
                             keras.layers.ReLU()])
   x = tf.random.stateless_normal([8, 32, 32, channels_in], seed=[1, 1])
@@ -70,6 +73,19 @@ def test_measure_layer_counts_what_a_conv_blocks_backward_pass_reads(
   cost, _ = chain.measure_layer(block, x, repeats=2)
   conv_output = 8 * 32 * 32 * 32 * 4
   assert conv_output <= cost.saved_bytes <= conv_output + 2**10, cost
+
+def test_measure_layer_counts_a_dropout_mask():
+  # Dense(256, relu) -> Dropout -> Dense(64): the backward pass reads the
+  # relu output, the dropout's output (the second matmul's input) and its
+  # boolean mask, which is computed from a seed and a shape alone.
+  keras.utils.set_random_seed(0)
+  block = keras.Sequential([keras.layers.Dense(256, activation="relu"),
+                            keras.layers.Dropout(0.5),
+                            keras.layers.Dense(64)])
+  x = tf.random.stateless_normal([512, 64], seed=[1, 1])
+  block(x)
+  cost, _ = chain.measure_layer(block, x, repeats=1)
+  assert cost.saved_bytes == 512 * 256 * (4 + 4 + 1), cost
 
 def test_measure_layer_of_identical_layers_gives_identical_bytes():
   # Read from the traced step, not measured: the same on every run.

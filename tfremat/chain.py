@@ -681,7 +681,8 @@ def training_step(layer, applications=1, jit=False, traced=None):
 
 
 # Ops whose outputs a step holds whether or not anything is rematerialized
-# (weights, constants), or that hold no activation.
+# (variables' reads, constants, captured tensors), or that hold no
+# activation (shapes).
 _HELD_ANYWAY_OPS = frozenset(["Const", "Placeholder", "ReadVariableOp",
                               "VarHandleOp", "Shape", "ShapeN", "Size",
                               "Rank"])
@@ -694,8 +695,8 @@ def _saved_bytes(traced):
   dimension, or a TensorList such as a while loop's gradient accumulates).
 
   These are what the step keeps from its forward pass for its backward
-  pass. Weights, constants and what is computed from them alone are not
-  counted: every plan holds them.
+  pass. Weights (their reads), constants, captured tensors and shapes are
+  not counted: every plan holds them, or they are tiny.
   """
   # pylint: disable=protected-access
   (first, forward_end), (_, backward_end) = traced["forward"], traced["backward"]
@@ -710,8 +711,7 @@ def _saved_bytes(traced):
           t.ref() in ends or t.ref() in seen):
         continue
       seen.add(t.ref())
-      if (producer.type in _HELD_ANYWAY_OPS or
-          all(u.op.type in _HELD_ANYWAY_OPS for u in producer.inputs)):
+      if producer.type in _HELD_ANYWAY_OPS:
         continue
       if (t.dtype in (tf.variant, tf.resource, tf.string) or
           not t.shape.is_fully_defined()):
