@@ -87,6 +87,20 @@ def test_measure_layer_counts_a_dropout_mask():
   cost, _ = chain.measure_layer(block, x, repeats=1)
   assert cost.saved_bytes == 512 * 256 * (4 + 4 + 1), cost
 
+def test_measure_layer_measures_what_a_loop_keeps():
+  # An LSTM's backward pass reads its loop's accumulated tensors, whose
+  # size the graph does not give: what it keeps is measured instead.
+  keras.utils.set_random_seed(0)
+  lstm = keras.layers.LSTM(32, return_sequences=True)
+  x = tf.random.stateless_normal([64, 16, 32], seed=[1, 1])
+  lstm(x)
+  traced = {}
+  chain.training_step(lstm, traced=traced).get_concrete_function(x)
+  assert chain._saved_bytes(traced) is None  # pylint: disable=protected-access
+  cost, _ = chain.measure_layer(lstm, x, repeats=1)
+  # Per step at least the gates' activations (4 x 64 x 32 floats).
+  assert cost.saved_bytes >= 16 * 4 * 64 * 32 * 4, cost
+
 def test_measure_layer_of_identical_layers_gives_identical_bytes():
   # Read from the traced step, not measured: the same on every run.
   keras.utils.set_random_seed(0)
