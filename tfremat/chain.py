@@ -691,8 +691,8 @@ _HELD_ANYWAY_OPS = frozenset(["Const", "Placeholder", "ReadVariableOp",
 def _saved_bytes(traced):
   """The bytes of the forward pass's tensors that the backward pass of a
   traced `training_step` reads, besides the step's input and output, or
-  None where a tensor's size is not known from the graph (an unknown
-  dimension, or a TensorList such as a while loop's gradient accumulates).
+  None where a tensor's size is not known from the graph: an unknown
+  dimension, a string, or a TensorList (a while loop's accumulated tensors).
 
   These are what the step keeps from its forward pass for its backward
   pass. Weights (their reads), constants, captured tensors and shapes are
@@ -711,10 +711,9 @@ def _saved_bytes(traced):
           t.ref() in ends or t.ref() in seen):
         continue
       seen.add(t.ref())
-      if producer.type in _HELD_ANYWAY_OPS:
-        continue
-      if (t.dtype in (tf.variant, tf.resource, tf.string) or
-          not t.shape.is_fully_defined()):
+      if producer.type in _HELD_ANYWAY_OPS or t.dtype == tf.resource:
+        continue  # A resource is a handle to a variable, held anyway.
+      if t.dtype in (tf.variant, tf.string) or not t.shape.is_fully_defined():
         return None
       total += t.shape.num_elements() * t.dtype.size
   return total
