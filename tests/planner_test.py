@@ -416,11 +416,11 @@ def test_allocator_margin_is_part_of_every_bound(monkeypatch):
       costs, keep_peak + margin, _stand_in(costs)).rematerialized)
 
 
-def _planned_in_one_check(costs, fraction, plan_error=1.0):
-  """`calibrated_plan(costs, fraction)` on a stand-in allocator whose peaks
-  are the model's, times `plan_error` for plans that rematerialize; asserts
-  that the plan fits and that one plan was measured besides keeping
-  everything. Returns the plan."""
+def _assert_planned_in_one_check(costs, fraction, plan_error=1.0):
+  """Asserts that `calibrated_plan(costs, fraction)`, on a stand-in
+  allocator whose peaks are the model's, times `plan_error` for plans that
+  rematerialize, fits and measured one plan besides keeping everything.
+  Returns the plan."""
   measured = []
 
   def measured_peak(segments):
@@ -450,7 +450,7 @@ def test_the_margin_is_not_scaled_so_an_exact_model_plans_in_one_check(
   budget = int(fraction * keep_peak)
   if budget - margin < planner.smallest_budget(costs):
     pytest.skip("below this chain's floor")
-  chosen = _planned_in_one_check(costs, fraction)
+  chosen = _assert_planned_in_one_check(costs, fraction)
   best = planner.plan(costs, budget - margin)
   assert chosen.seconds <= best.seconds + (
       planner.FASTER_BY * chosen.baseline_seconds)
@@ -472,7 +472,7 @@ def test_plans_measuring_a_little_above_the_calibration_fit_in_one_check(
   if fraction * keep_peak - int(0.1 * keep_peak) < 1.05 * (
       planner.smallest_budget(costs)):
     pytest.skip("at this chain's floor")
-  _planned_in_one_check(costs, fraction, plan_error=1.02)
+  _assert_planned_in_one_check(costs, fraction, plan_error=1.02)
 
 
 def test_a_budget_below_the_models_floor_is_measured_before_refusing():

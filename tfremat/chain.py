@@ -683,9 +683,8 @@ def training_step(layer, applications=1, jit=False, traced=None):
 # Ops whose outputs a step holds whether or not anything is rematerialized
 # (variables' reads, constants, captured tensors), or that hold no
 # activation (shapes).
-_HELD_ANYWAY_OPS = frozenset(["Const", "Placeholder", "ReadVariableOp",
-                              "VarHandleOp", "Shape", "ShapeN", "Size",
-                              "Rank"])
+_HELD_ANYWAY_OPS = _SOURCE_OPS | frozenset(["ReadVariableOp", "VarHandleOp",
+                                           "Shape", "ShapeN", "Size", "Rank"])
 
 
 def _saved_bytes(traced):
