@@ -20,6 +20,7 @@ from absl import app
 from absl import flags
 import keras
 import numpy as np
+import tensorflow as tf
 
 import tfremat
 from tfremat import measure
@@ -43,7 +44,9 @@ def small_gpt2(keras_hub, layers=2, hidden=64, seq_len=64, dropout=0.1):
   """A GPT2CausalLM with its preprocessor, from a config: byte-pair
   vocabulary of single letters and a space, random weights."""
   keras.utils.set_random_seed(0)
-  vocab = {"<|endoftext|>": 0, "\u0120": 1}  # And a space on its own.
+  # GPT2Tokenizer pads with id 0. The end token, which stops generate(),
+  # must have another id: padding after a prompt would stop it at once.
+  vocab = {"\u0120": 0, "<|endoftext|>": 1}  # A space on its own, first.
   for c in string.ascii_lowercase:
     vocab[c] = len(vocab)
     vocab["\u0120" + c] = len(vocab)  # GPT-2 marks a leading space so.
@@ -90,8 +93,10 @@ def main(argv):
   print(f"{type(lm).__name__}, {FLAGS.layers} blocks, hidden {FLAGS.hidden}, "
         f"sequence {FLAGS.seq_len}, batch {FLAGS.batch}, budget "
         f"{FLAGS.budget}: {chosen}")
-  lm.fit(text(32 * FLAGS.batch), batch_size=FLAGS.batch, epochs=FLAGS.epochs,
-         verbose=2)
+  sentences = tf.data.Dataset.from_tensor_slices(text(32 * FLAGS.batch))
+  # Shuffled by the dataset; fit's own shuffle does not apply to one.
+  lm.fit(sentences.shuffle(32 * FLAGS.batch, seed=0).batch(FLAGS.batch),
+         epochs=FLAGS.epochs, shuffle=False, verbose=2)
   print("generated:", lm.generate("the quick", max_length=32))
 
 
