@@ -99,3 +99,27 @@ def _assert_xla_within_its_own_rounding(call, x, model):
   remat = distance(("xla", True), ("xla", False))
   assert remat <= max(RTOL * scale, own), (remat / scale, own / scale)
   assert_trees_close(found["xla", True, "state"], found["xla", False, "state"])
+
+
+def test_half_the_peak_plans_on_densenet_at_a_larger_batch():
+  # At the sizes above half the peak is out of reach: the lowest bounds
+  # measured were 56%-62% of keeping everything at batch 8, held up by the
+  # weight gradients (ResNet50's are 45% of its peak) or by one block's
+  # working set while it reruns, plus the allocator margin's 10 points. At
+  # batch 32 DenseNet121's blocks are small beside its peak (ResNet50's and
+  # MobileNetV2's are not: 63% and 55% there), and a budget of 50% plans.
+  keras.utils.set_random_seed(0)
+  model = keras.applications.DenseNet121(weights=None, input_shape=(64, 64, 3),
+                                         classes=10)
+  x = tf.random.stateless_normal([32, 64, 64, 3], seed=[1, 2])
+  planned = tfremat.remat_model(model, budget=0.5, sample_input=x, verbose=0)
+  (remat_chain,) = [l for l in planned.layers
+                    if isinstance(l, tfremat.RematSequential)]
+  plan = remat_chain.plan
+  assert any(plan.rematerialized), str(plan)
+  assert plan.measured.bound_bytes <= plan.budget_bytes, str(plan)
+  later = measure.peaks(chain.training_step(planned), x, calls=5)
+  assert max(later) <= plan.budget_bytes, (later, str(plan))
+  assert_parity(lambda remat, h: (planned if remat else model)(
+      h, training=True), (x[:4],), model.trainable_weights, "function",
+                "/CPU:0", state=model.variables)
