@@ -798,8 +798,7 @@ def _calibrated(costs, keep, budget, budget_bytes, measured_peak, rounds,
     return min(fitting, key=lambda p: p.seconds)
   lowest = min(tried.values(), key=lambda p: p.measured.bound_bytes)
   raise unreachable_budget_error(costs, budget, budget_bytes,
-                                 keep.measured.peak_bytes,
-                                 lowest.measured.bound_bytes)
+                                 keep.measured.peak_bytes, lowest.measured)
 
 
 def _lowest_fitting(costs, tried, keep, budget_bytes, measured_peak, floor,
@@ -862,17 +861,26 @@ def floor_terms(costs):
 
 
 def unreachable_budget_error(costs, budget, budget_bytes, keep_peak, lowest):
-  """The ValueError for a budget below `lowest`, the lowest bound measured."""
+  """The ValueError for a budget below `lowest`, the lowest bound measured:
+  bytes, or that plan's `Measured`, whose parts the message then gives."""
   mib = measure.format_bytes
   asked = (f"{budget.fraction:.0%} of the keep-everything peak, "
            if budget is not None and budget.fraction is not None else "")
+  parts = ""
+  if isinstance(lowest, Measured):
+    spread = lowest.bound_bytes - lowest.peak_bytes - lowest.margin_bytes
+    parts = (f": that plan's largest peak, {mib(lowest.peak_bytes)}, plus "
+             f"the spread of its calls, {mib(spread)}, plus the allocator "
+             f"margin, {mib(lowest.margin_bytes)} "
+             "(tfremat.planner.ALLOCATOR_MARGIN)")
+    lowest = lowest.bound_bytes
   terms = "; ".join(f"{what}: {mib(n)}" for what, n in floor_terms(costs))
   return errors.InvalidArgumentError(
       f"No rematerialization plan fits a budget of {asked}{mib(budget_bytes)}:"
       f" the lowest bound measured is {mib(lowest)}, "
       f"{lowest / max(1, keep_peak):.0%} of the "
-      f"measured keep-everything peak ({mib(keep_peak)}). What every plan "
-      f"holds, by the cost model: {terms}. Raise the budget to at least "
+      f"measured keep-everything peak ({mib(keep_peak)}){parts}. What every "
+      f"plan holds, by the cost model: {terms}. Raise the budget to at least "
       f"{lowest / max(1, keep_peak):.0%}, or shrink the batch or the widest "
       "layer.")
 
