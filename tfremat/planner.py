@@ -109,6 +109,11 @@ class Measured:
     first = cls.of(value)
     return cls.of(first, int(ALLOCATOR_MARGIN * first.peak_bytes))
 
+  @property
+  def spread_bytes(self):
+    """The calls' spread that `bound_bytes` includes."""
+    return self.bound_bytes - self.peak_bytes - self.margin_bytes
+
 
 # The allocator margin of every plan's bound, as a fraction of the measured
 # peak of keeping everything (`Measured`): what one plan's peak moved by
@@ -868,10 +873,9 @@ def unreachable_budget_error(costs, budget, budget_bytes, keep_peak, lowest):
            if budget is not None and budget.fraction is not None else "")
   parts = ""
   if isinstance(lowest, Measured):
-    spread = lowest.bound_bytes - lowest.peak_bytes - lowest.margin_bytes
     parts = (f": that plan's largest peak, {mib(lowest.peak_bytes)}, plus "
-             f"the spread of its calls, {mib(spread)}, plus the allocator "
-             f"margin, {mib(lowest.margin_bytes)} "
+             f"the spread of its calls, {mib(lowest.spread_bytes)}, plus the "
+             f"allocator margin, {mib(lowest.margin_bytes)} "
              "(tfremat.planner.ALLOCATOR_MARGIN)")
     lowest = lowest.bound_bytes
   terms = "; ".join(f"{what}: {mib(n)}" for what, n in floor_terms(costs))
