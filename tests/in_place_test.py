@@ -259,9 +259,12 @@ def test_budget_in_place_below_every_layer_says_so_and_changes_nothing():
   data = tf.random.stateless_normal([256, 64], seed=[1, 2])
   with pytest.raises(ValueError, match=r"with all 8 layer\(s\) "
                      r"rematerialized, and nested, the training step's "
-                     r"lowest bound .* \d+% of the peak without"):
+                     r"lowest bound .* \d+% of the peak without") as caught:
     tfremat.remat_in_place_for_budget(model, blocks, "1KiB", data, data,
                                       calls=2)
+  assert isinstance(caught.value, tfremat.errors.BudgetUnreachableError)
+  assert f"{caught.value.lowest_fraction:.0%} of the peak without" in str(
+      caught.value)
   assert not any(tfremat.is_remat_in_place(b) for b in blocks)
   assert not any(tfremat.is_remat_in_place(l) for b in blocks
                  for l in b.layers)

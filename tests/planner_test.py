@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 
+from tfremat import errors
 from tfremat import planner
 from tfremat.planner import Segment
 from conftest import random_costs
@@ -205,9 +206,15 @@ def test_budget_between_model_and_measurement_names_the_lowest_measured():
   need = planner.smallest_budget(costs)
   keep_peak = planner.predict(costs, keep)[0]
   with pytest.raises(ValueError, match=r"the lowest bound measured is .* MiB, "
-                     r"\d+% of the measured keep-everything peak"):
+                     r"\d+% of the measured keep-everything peak") as caught:
     planner.calibrated_plan(costs, need + 1, measured_peak)
   assert keep_peak > need
+  # The same figures, for a program to retry with: the lowest bound measured.
+  error = caught.value
+  assert isinstance(error, errors.BudgetUnreachableError)
+  assert error.lowest_fraction == error.lowest_bytes / keep_peak
+  assert f"{error.lowest_fraction:.0%} of the measured" in str(error)
+  assert error.lowest_bytes > need + 1
 
 
 def test_a_budget_below_the_weight_gradients_is_refused_after_one_measurement(
@@ -237,6 +244,9 @@ def test_a_budget_below_the_weight_gradients_is_refused_after_one_measurement(
           "measured keep-everything peak") in message, message
   assert f"the weight gradients, {gradients / 2**20:.1f} MiB" in message
   assert "ALLOCATOR_MARGIN" in message and "at least 60%" in message
+  assert isinstance(caught.value, errors.BudgetUnreachableError)
+  assert caught.value.lowest_bytes == gradients + keep_peak // 10
+  assert caught.value.lowest_fraction == pytest.approx(0.6, abs=0.005)
   # Above that floor the plans are measured as before; at 100% keeping
   # everything is chosen, whatever the gradients.
   measured.clear()

@@ -461,6 +461,9 @@ def remat_sequential(layers, segments=None, budget=None, sample_input=None,
 
   Raises:
     ValueError, TypeError: bad arguments, before anything is measured.
+    tfremat.errors.BudgetUnreachableError (a ValueError): no plan fits the
+      budget; its `lowest_fraction` is the lowest bound measured, as a
+      fraction of keeping everything's peak (`checked_plan`).
   """
   if (segments is None) == (budget is None):
     raise errors.InvalidArgumentError(
@@ -538,8 +541,10 @@ def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
 
   Raises:
     ValueError: no plan measured fits the budget, or the weight gradients
-      put it out of reach (the message gives the lowest bound, as a
-      fraction of keeping everything's peak).
+      put it out of reach: a `tfremat.errors.BudgetUnreachableError`, whose
+      message gives the lowest bound and what holds it up, and whose
+      `lowest_fraction` is that bound as a fraction of keeping
+      everything's peak.
   """
   layers = _chain_layers(layers, "checked_plan")
   budget = planner.Budget.parse(budget)

@@ -8,6 +8,7 @@ class is also the built-in exception callers already catch (`ValueError`,
 
 __all__ = [
     "PREFIX",
+    "BudgetUnreachableError",
     "Error",
     "InvalidArgumentError",
     "InvalidTypeError",
@@ -39,6 +40,29 @@ class Error(Exception):
 
 class InvalidArgumentError(Error, ValueError):
   """An argument's value is wrong; the message names it and the fix."""
+
+
+class BudgetUnreachableError(InvalidArgumentError):
+  """No rematerialization plan fits the memory budget asked for.
+
+  Besides the message, which says what holds the lowest bound up, it carries
+  that bound for a program to act on: `lowest_bytes`, and `lowest_fraction`,
+  the same as a fraction of the measured peak without rematerialization,
+  the form `budget=` takes. A plan measured at that bound fitted it; peaks
+  move a little from measurement to measurement, so retry a little above it.
+  """
+
+  lowest_bytes = None
+  lowest_fraction = None
+
+  @classmethod
+  def of(cls, message, lowest_bytes, reference_bytes):
+    """The error for `message`, whose lowest bound is `lowest_bytes` of
+    `reference_bytes`, the peak without rematerialization."""
+    error = cls(message)
+    error.lowest_bytes = int(lowest_bytes)
+    error.lowest_fraction = lowest_bytes / max(1, reference_bytes)
+    return error
 
 
 class InvalidTypeError(Error, TypeError):

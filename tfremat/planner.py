@@ -731,8 +731,9 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4, nestable=None,
     budget, with its budget and measurements set.
 
   Raises:
-    ValueError: no plan measured fits. The message gives the lowest bound
-      measured, as a fraction of the keep-everything peak, and what
+    ValueError: no plan measured fits (`errors.BudgetUnreachableError`).
+      The message gives the lowest bound measured, as a fraction of the
+      keep-everything peak (also its `lowest_fraction`), and what
       dominates it by the cost model.
   """
   budget = Budget.parse(budget)
@@ -879,14 +880,14 @@ def unreachable_budget_error(costs, budget, budget_bytes, keep_peak, lowest):
              "(tfremat.planner.ALLOCATOR_MARGIN)")
     lowest = lowest.bound_bytes
   terms = "; ".join(f"{what}: {mib(n)}" for what, n in floor_terms(costs))
-  return errors.InvalidArgumentError(
+  return errors.BudgetUnreachableError.of(
       f"No rematerialization plan fits a budget of {asked}{mib(budget_bytes)}:"
       f" the lowest bound measured is {mib(lowest)}, "
       f"{lowest / max(1, keep_peak):.0%} of the "
       f"measured keep-everything peak ({mib(keep_peak)}){parts}. What every "
       f"plan holds, by the cost model: {terms}. Raise the budget to at least "
       f"{lowest / max(1, keep_peak):.0%}, or shrink the batch or the widest "
-      "layer.")
+      "layer.", lowest, keep_peak)
 
 
 def gradients_floor_error(budget, keep, gradient_bytes):
@@ -916,7 +917,7 @@ def gradients_floor_error(budget, keep, gradient_bytes):
   asked = (f"{budget.fraction:.0%} of the keep-everything peak, "
            if budget.fraction is not None else "")
   least = math.ceil(100 * lowest / max(1, keep.peak_bytes))
-  return errors.InvalidArgumentError(
+  return errors.BudgetUnreachableError.of(
       f"No rematerialization plan fits a budget of {asked}{mib(budget_bytes)}:"
       f" the lowest bound any plan can have is {mib(lowest)}, {least}% of the"
       f" measured keep-everything peak ({mib(keep.peak_bytes)}). Every plan's"
@@ -924,7 +925,7 @@ def gradients_floor_error(budget, keep, gradient_bytes):
       f"{mib(gradient_bytes)}, and every plan's bound adds the allocator "
       f"margin, {mib(keep.margin_bytes)} (tfremat.planner.ALLOCATOR_MARGIN)."
       " Rematerializing frees activations, not weight gradients: raise the "
-      f"budget to at least {least}% ({mib(lowest)}).")
+      f"budget to at least {least}% ({mib(lowest)}).", lowest, keep.peak_bytes)
 
 
 def plan(costs, budget_bytes):

@@ -311,8 +311,9 @@ def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
 
   Raises:
     ValueError: the budget cannot be met even with every layer
-      rematerialized (the message gives the lowest fraction measured), or
-      the model is not compiled.
+      rematerialized (a `tfremat.errors.BudgetUnreachableError`: the
+      message and its `lowest_fraction` give the lowest fraction measured),
+      or the model is not compiled.
   """
   layers = _layers(layers, "remat_in_place_for_budget")
   budget = planner.Budget.parse(budget)
@@ -354,7 +355,7 @@ def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
   if found[count, nest].bound_bytes > budget_bytes:
     lowest = min(found.values(), key=lambda m: m.bound_bytes)
     tried = "rematerialized, and nested," if nested else "rematerialized"
-    raise errors.InvalidArgumentError(
+    raise errors.BudgetUnreachableError.of(
         f"remat_in_place_for_budget: with all {len(layers)} layer(s) "
         f"{tried} the training step's lowest bound is "
         f"{measure.format_bytes(lowest.bound_bytes)}, "
@@ -362,7 +363,7 @@ def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
         f"without ({measure.format_bytes(keep.peak_bytes)}), above the "
         f"budget of {measure.format_bytes(budget_bytes)}. Raise the budget, "
         "give more of the model's layers, a save policy that keeps less, or "
-        "a smaller batch.")
+        "a smaller batch.", lowest.bound_bytes, keep.peak_bytes)
   if count:
     remat_in_place(layers[:count], policy=policy, nested=nest)
   model.make_train_function(force=True)

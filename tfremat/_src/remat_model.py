@@ -243,6 +243,9 @@ def remat_model(model, mode="full", output_size_threshold=1024,
   Raises:
     TypeError, ValueError: a subclassed or unbuilt model, an unknown mode,
       threshold or layer name; raised before anything is built.
+    tfremat.errors.BudgetUnreachableError (a ValueError): no plan fits
+      `budget`; its `lowest_fraction` is the lowest bound measured, as a
+      fraction of the original's peak. The model is left as it was.
   """
   refuse_keras2(model, "remat_model")
   if budget is not None:
