@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from tfremat import bench
+from tfremat import models
 
 # Small, but big enough that the allocator's peaks are not 0.
 _SMALL = ["--blocks=4", "--width=64", "--batch=512", "--steps=2"]
@@ -125,6 +126,8 @@ def test_help_and_bad_flags():
       "dash_equals": ["--budget-fraction=-1"],
       "dash_space": ["--budget-fraction", "-1"],
       "not_a_number": ["--budget-fraction=half"],
+      "whole_unknown": ["--whole_models=ResNet50,Bogus"],
+      "whole_jit": ["--whole_models=ResNet50", "--jit"],
   }
   procs = {k: subprocess.Popen([sys.executable, "-m", "tfremat.bench", *args],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -150,6 +153,59 @@ def test_help_and_bad_flags():
     assert "--budget-fraction must be positive" in stderr, stderr
   code, _, stderr = done["not_a_number"]
   assert code != 0 and "budget_fraction" in stderr
+  code, _, stderr = done["whole_unknown"]
+  assert code != 0 and "Unknown --whole_models ['Bogus']" in stderr, stderr
+  code, _, stderr = done["whole_jit"]
+  assert code != 0 and "leave out --sweep, --eager, --jit" in stderr, stderr
+  assert "--whole_models" in done["help"][1]
+
+
+def test_whole_model_table_gives_ratios_to_each_models_original():
+  rows = [
+      dict(model="A", variant="original", peak_bytes=100 * 2**20,
+           step_seconds=0.1, first_call_seconds=2.0, note=""),
+      dict(model="A", variant='"full"', peak_bytes=50 * 2**20,
+           step_seconds=0.15, first_call_seconds=3.0, note=""),
+      dict(model="A", variant="budget 50%", note="refused in 3.0 s: lowest "
+           "bound 61%"),
+      dict(model="B", variant="original", peak_bytes=10 * 2**20,
+           step_seconds=1.0, first_call_seconds=1.0, note=""),
+      dict(model="B", variant="budget 50%", peak_bytes=4 * 2**20,
+           step_seconds=1.2, first_call_seconds=1.5,
+           note="planned in 9.0 s: bound 48%"),
+  ]
+  lines = bench.format_whole_table(rows).splitlines()
+  assert lines[0].split()[:4] == ["model", "variant", "peak", "MiB"]
+  assert lines[2].split() == ["A", "original", "100.0", "1.00", "100.0",
+                              "1.00", "2.00", "1.00"]
+  assert lines[3].split() == ["A", '"full"', "50.0", "0.50", "150.0", "1.50",
+                              "3.00", "1.50"]
+  assert lines[4].split() == ["A", "budget", "50%", "refused", "in", "3.0",
+                              "s:", "lowest", "bound", "61%"]
+  assert lines[6].split()[2:] == ["50%", "4.0", "0.40", "1200.0", "1.20",
+                                  "1.50", "1.50", "planned", "in", "9.0",
+                                  "s:", "bound", "48%"]
+
+
+def test_an_unknown_whole_model_is_named():
+  with pytest.raises(ValueError, match="Unknown model 'Bogus'; choose from "
+                     "ResNet50, .*GemmaBackbone"):
+    models.whole_model("Bogus")
+
+
+@pytest.mark.slow
+def test_whole_models_runs_every_mode_and_a_budget_on_a_cnn():
+  rows = {}
+  for line in _bench("--whole_models=MobileNetV2", "--steps=2").splitlines():
+    if line.startswith("MobileNetV2 "):
+      rows[line[16:32].strip()] = line[32:].split()
+  assert list(rows) == ["original", '"full"', '"activations"',
+                        '"larger_than"', "budget 50%"], rows
+  assert float(rows['"full"'][1]) < 0.8, rows  # peak x original
+  assert rows['"activations"'][-2:] == ["selects", "nothing"], rows
+  budget = " ".join(rows["budget 50%"])
+  assert ("refused in" in budget and "lowest bound" in budget or
+          "planned in" in budget), budget
 
 
 def test_plot_labels_that_would_overlap_are_moved_apart():

@@ -8,6 +8,7 @@
   python -m tfremat.bench --sweep --csv sweep.csv --plot sweep.png
   python -m tfremat.bench --sweep --plot     # the default file, sweep.png
   python -m tfremat.bench --policy dots_saveable  # tfremat under a policy
+  python -m tfremat.bench --whole_models all   # remat_model on real models
 
 TensorFlow's start-up lines are silenced unless --verbosity is given (e.g.
 --verbosity=0).
@@ -39,6 +40,12 @@ sqrt(n) segments, and, in the sweep, every block under each save policy the
 planner chooses among) and the planner, choosing per segment among keeping,
 rematerializing fully and rematerializing under each of those policies, at
 fractions of the measured no-remat peak.
+
+--whole_models runs `tfremat.remat_model` on models nobody on this project
+wrote (`keras.applications` CNNs and, with keras-hub installed, KerasHub
+backbones; `tfremat.models.whole_model` has their sizes): the original, each
+mode, and the planner at --budget-fraction (default 0.5), one model after
+another in this process.
 """
 
 import csv
@@ -46,6 +53,7 @@ import os
 import platform
 import textwrap
 import time
+import warnings
 
 from absl import app
 from absl import flags
@@ -67,6 +75,8 @@ __all__ = [
     "measure_methods",
     "format_table",
     "format_scheme_table",
+    "measure_whole_model",
+    "format_whole_table",
     "uniform_schemes",
     "policy_schemes",
     "METHODS",
@@ -115,6 +125,11 @@ def define_flags():
   flags.DEFINE_bool("sweep", False,
                     "Run every uniform scheme and the planner at 30%, 50%, "
                     "80% and 100% of the no-remat peak.")
+  flags.DEFINE_list("whole_models", [],
+                    "Models to run remat_model's modes and a budget on "
+                    "(all: every one available): " +
+                    ", ".join(list(models.APPLICATIONS) +
+                              list(models.HUB_BACKBONES)) + ".")
   flags.DEFINE_string("csv", "sweep.csv", "Where --sweep writes its CSV.")
   flags.DEFINE_string("plot", "sweep.png",
                       "Where --sweep draws its plot (needs matplotlib: "
@@ -573,6 +588,112 @@ def format_table(results):
   return "\n".join(lines)
 
 
+WHOLE_MODES = ("full", "activations", "larger_than")
+
+WHOLE_LEGEND = """\
+peak MiB: the allocator's peak during one training step (the gradient of the
+  sum of the squared float outputs) above what was allocated just before it,
+  the largest of 5 calls. x: the ratio to the original's row.
+step ms: the median over {steps} rounds, each calling every row's step once,
+  in shuffled order. first call s: tracing and running the first step,
+  after a throwaway step of the original has run.
+"full", "activations", "larger_than": remat_model(model, mode=...),
+  "larger_than" sizing outputs on the batch; "selects nothing": the mode
+  chose no layer, and the step is the original's. budget: remat_model(model, budget=..., sample_input=batch);
+  planning: the seconds that call took, and its plan's measured bound as a
+  fraction of the original's peak (peak, spread of its calls and the
+  allocator margin), or the lowest bound it found when it refused."""
+
+
+def measure_whole_model(name, budget=0.5, rounds=5):
+  """Rows for the model `name` (`models.whole_model`): the original, each
+  of `remat_model`'s modes and a plan for `budget`, measured in this
+  process: peak, step time, first call; planning time for the budget."""
+  model, batch = models.whole_model(name)
+  made, notes = {"original": model}, {}
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for mode in WHOLE_MODES:
+      before = len(caught)
+      made[f'"{mode}"'] = tfremat.remat_model(
+          model, mode=mode,
+          sample_input=batch if mode == "larger_than" else None)
+      if any("selects no layer" in str(w.message) for w in caught[before:]):
+        notes[f'"{mode}"'] = "selects nothing"
+    label = f"budget {budget:.0%}"
+    start = time.perf_counter()
+    try:
+      planned = tfremat.remat_model(model, budget=budget, sample_input=batch,
+                                    verbose=0)
+    except tfremat.errors.BudgetUnreachableError as e:
+      notes[label] = (f"refused in {time.perf_counter() - start:.1f} s: "
+                      f"lowest bound {e.lowest_fraction:.0%}")
+    else:
+      made[label] = planned
+      plan = planned.get_layer(f"{model.name}_chain").plan
+      notes[label] = (f"planned in {time.perf_counter() - start:.1f} s: "
+                      f"bound {plan.measured.bound_bytes / plan.measured_keep.peak_bytes:.0%}")
+  # pylint: disable=protected-access
+  measure._wait(chain.training_step(model)(batch))  # One-time costs.
+  rows, steps = [], []
+  for variant, m in made.items():
+    step = chain.training_step(m)
+    start = time.perf_counter()
+    measure._wait(step(batch))
+    rows.append({"model": name, "variant": variant,
+                 "first_call_seconds": time.perf_counter() - start,
+                 "peak_bytes": measure.peak_bytes(step, batch, warmup=False),
+                 "note": notes.get(variant, "")})
+    steps.append(step)
+  for row, seconds in zip(rows, measure.median_seconds(steps, batch,
+                                                       repeats=rounds)):
+    row["step_seconds"] = seconds
+  rows += [{"model": name, "variant": v, "note": n} for v, n in notes.items()
+           if v not in made]
+  return rows
+
+
+def format_whole_table(rows):
+  """`measure_whole_model`'s rows as a table, ratios to each model's
+  original."""
+  header = (f"{'model':<16}{'variant':<16}{'peak MiB':>10}{'x':>7}"
+            f"{'step ms':>10}{'x':>7}{'first call s':>14}{'x':>7}  note")
+  lines, base = [header, "-" * (len(header) + 30)], {}
+  for r in rows:
+    if r["variant"] == "original":
+      base = r
+    if "peak_bytes" not in r:
+      lines.append(f"{r['model']:<16}{r['variant']:<16}{'':>55}  {r['note']}")
+      continue
+    lines.append(
+        f"{r['model']:<16}{r['variant']:<16}{r['peak_bytes'] / 2**20:>10.1f}"
+        f"{_ratio(r['peak_bytes'], base['peak_bytes']):>7.2f}"
+        f"{1000 * r['step_seconds']:>10.1f}"
+        f"{_ratio(r['step_seconds'], base['step_seconds']):>7.2f}"
+        f"{r['first_call_seconds']:>14.2f}"
+        f"{_ratio(r['first_call_seconds'], base['first_call_seconds']):>7.2f}"
+        f"  {r['note']}")
+  return "\n".join(lines)
+
+
+def _whole_model_names():
+  """--whole_models as names; "all": every model this install can build."""
+  names = [n for n in FLAGS.whole_models if n]
+  if names == ["all"]:
+    names = list(models.APPLICATIONS)
+    try:
+      import keras_hub  # pylint: disable=import-outside-toplevel,unused-import
+      names += list(models.HUB_BACKBONES)
+    except ImportError:
+      print("(no KerasHub backbones: pip install \".[hub]\" for them)")
+  known = list(models.APPLICATIONS) + list(models.HUB_BACKBONES)
+  unknown = [n for n in names if n not in known]
+  if unknown:
+    raise app.UsageError(f"Unknown --whole_models {unknown}; choose from "
+                         f"{', '.join(known)}, or all.")
+  return names
+
+
 def normalized_argv(argv):
   """`argv` with every documented spelling made one absl reads.
 
@@ -607,6 +728,25 @@ def main(argv):
   if unknown:
     raise app.UsageError(
         f"Unknown --methods {sorted(unknown)}; choose from {', '.join(METHODS)}.")
+  if FLAGS.whole_models:
+    names = _whole_model_names()
+    budget = (0.5 if FLAGS.budget_fraction is None else
+              FLAGS.budget_fraction)
+    if FLAGS.sweep or FLAGS.eager or FLAGS.jit or not 0 < budget <= 1:
+      raise app.UsageError("--whole_models measures traced steps in "
+                           "tf.function, with --budget-fraction in (0, 1] "
+                           "and --steps; leave out --sweep, --eager, --jit.")
+    print(environment())
+    print(f"whole models, tf.function, {FLAGS.steps} timed rounds")
+    progress = measure.progress_bar(len(names), "model")
+    rows = []
+    for name in names:
+      rows += measure_whole_model(name, budget, FLAGS.steps)
+      if progress is not None:
+        progress.add(1)
+    print(format_whole_table(rows))
+    print(WHOLE_LEGEND.format(steps=FLAGS.steps))
+    return
   sizes = ", ".join(f"{k} {v}" for k, v in _sizes().items())
   if FLAGS.sweep or FLAGS.budget_fraction is not None:
     if FLAGS.eager:

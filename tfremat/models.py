@@ -1,11 +1,16 @@
 """Small reference models for the benchmark, the memory tests and examples.
 
-Both are stacks of blocks, the unit one rematerializes: a residual MLP whose
+Two are stacks of blocks, the unit one rematerializes: a residual MLP whose
 blocks are `Sequential`s, and a causal transformer language model whose
-blocks are functional `keras.Model`s.
+blocks are functional `keras.Model`s. `whole_model` makes models nobody on
+this project wrote (`keras.applications` CNNs, KerasHub backbones), small,
+with random weights, for `python -m tfremat.bench --whole_models`.
 """
 
 import keras
+import tensorflow as tf
+
+from tfremat import errors
 
 from tfremat._src.layers import RematerializationLayer
 
@@ -14,6 +19,9 @@ __all__ = [
     "transformer_block",
     "transformer_parts",
     "transformer_lm",
+    "whole_model",
+    "APPLICATIONS",
+    "HUB_BACKBONES",
 ]
 
 
@@ -83,3 +91,59 @@ def transformer_lm(vocab, seq_len, width, heads, blocks, dropout, remat,
   for block in stack:
     h = (RematerializationLayer(block) if remat else block)(h)
   return keras.Model(tokens, head(h), name="transformer_lm")
+
+
+# keras.applications models: name -> (input height and width, batch).
+APPLICATIONS = {
+    "ResNet50": (96, 8),
+    "MobileNetV2": (64, 8),
+    "DenseNet121": (64, 8),
+    "EfficientNetB0": (64, 4),
+    "ConvNeXtTiny": (64, 4),
+}
+# KerasHub backbones, each 4 layers, hidden 128, sequence 128, batch 8.
+HUB_BACKBONES = ("GPT2Backbone", "BertBackbone", "LlamaBackbone",
+                 "GemmaBackbone")
+_HUB_SIZES = dict(vocabulary_size=256, num_layers=4, hidden_dim=128,
+                  intermediate_dim=512, dropout=0.1)
+_HUB_BATCH, _HUB_SEQ = 8, 128
+
+
+def whole_model(name, seed=0):
+  """(model, batch): `name` from APPLICATIONS (10 classes) or HUB_BACKBONES
+  (needs keras-hub: `pip install ".[hub]"`), random weights, at its size
+  above; the batch is the same in every process. A KerasHub batch pads
+  its rows to different lengths."""
+  keras.utils.set_random_seed(seed)
+  if name in APPLICATIONS:
+    size, batch = APPLICATIONS[name]
+    model = getattr(keras.applications, name)(
+        weights=None, input_shape=(size, size, 3), classes=10)
+    return model, tf.random.stateless_normal([batch, size, size, 3],
+                                             seed=[1, 2])
+  if name not in HUB_BACKBONES:
+    raise errors.InvalidArgumentError(
+        f"Unknown model {name!r}; choose from "
+        f"{', '.join(list(APPLICATIONS) + list(HUB_BACKBONES))}.")
+  try:
+    import keras_hub  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise errors.UnsupportedError(
+        f"{name} needs keras-hub: pip install \".[hub]\" (or keras-hub)."
+    ) from e
+  heads = (dict(num_heads=4, max_sequence_length=_HUB_SEQ)
+           if name in ("GPT2Backbone", "BertBackbone") else
+           dict(num_query_heads=4, num_key_value_heads=2))
+  if name == "GemmaBackbone":
+    heads["head_dim"] = 32
+  model = getattr(keras_hub.models, name)(**heads, **_HUB_SIZES)
+  batch = {
+      "token_ids": tf.random.stateless_uniform(
+          [_HUB_BATCH, _HUB_SEQ], seed=[1, 2],
+          maxval=_HUB_SIZES["vocabulary_size"], dtype=tf.int32),
+      "padding_mask": tf.sequence_mask(
+          [_HUB_SEQ, 100, 64, _HUB_SEQ, 30, _HUB_SEQ, 127, 90], _HUB_SEQ,
+          dtype=tf.int32)}
+  if name == "BertBackbone":
+    batch["segment_ids"] = tf.zeros([_HUB_BATCH, _HUB_SEQ], tf.int32)
+  return model, batch
