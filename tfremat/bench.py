@@ -599,10 +599,11 @@ step ms: the median over {steps} rounds, each calling every row's step once,
   after a throwaway step of the original has run.
 "full", "activations", "larger_than": remat_model(model, mode=...),
   "larger_than" sizing outputs on the batch; "selects nothing": the mode
-  chose no layer, and the step is the original's. budget: remat_model(model, budget=..., sample_input=batch);
-  planning: the seconds that call took, and its plan's measured bound as a
-  fraction of the original's peak (peak, spread of its calls and the
-  allocator margin), or the lowest bound it found when it refused."""
+  chose no layer, and the step is the original's.
+budget: remat_model(model, budget=..., sample_input=batch); the note gives
+  the seconds that call took, and its plan's measured bound as a fraction
+  of the original's peak (peak, spread of its calls and the allocator
+  margin), or the lowest bound it found when it refused."""
 
 
 def measure_whole_model(name, budget=0.5, rounds=5):
@@ -611,6 +612,9 @@ def measure_whole_model(name, budget=0.5, rounds=5):
   process: peak, step time, first call; planning time for the budget."""
   model, batch = models.whole_model(name)
   made, notes = {"original": model}, {}
+  # Recorded, not shown: a mode that selects nothing is noted in the table,
+  # and the rest (a layer whose configuration will not save) do not bear on
+  # what is measured.
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     for mode in WHOLE_MODES:
@@ -631,8 +635,9 @@ def measure_whole_model(name, budget=0.5, rounds=5):
     else:
       made[label] = planned
       plan = planned.get_layer(f"{model.name}_chain").plan
+      bound = plan.measured.bound_bytes / plan.measured_keep.peak_bytes
       notes[label] = (f"planned in {time.perf_counter() - start:.1f} s: "
-                      f"bound {plan.measured.bound_bytes / plan.measured_keep.peak_bytes:.0%}")
+                      f"bound {bound:.0%}")
   # pylint: disable=protected-access
   measure._wait(chain.training_step(model)(batch))  # One-time costs.
   rows, steps = [], []
