@@ -48,8 +48,10 @@ class BudgetUnreachableError(InvalidArgumentError):
   Besides the message, which says what holds the lowest bound up, it carries
   that bound for a program to act on: `lowest_bytes`, and `lowest_fraction`,
   the same as a fraction of the measured peak without rematerialization,
-  the form `budget=` takes. A plan measured at that bound fitted it; peaks
-  move a little from measurement to measurement, so retry a little above it.
+  the form `budget=` takes. Refused on measurements, it is the lowest bound
+  a measured plan had; refused on the weight gradients alone, the lowest
+  any plan can have, which a plan may still measure above. Peaks move a
+  little from measurement to measurement: retry a little above it.
   """
 
   lowest_bytes = None
