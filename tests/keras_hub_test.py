@@ -15,41 +15,23 @@ import tensorflow as tf
 import tfremat
 from tfremat import chain
 from tfremat import measure
+from tfremat import models
 from tfremat import planner
 from conftest import assert_parity, remat_modes_off, scoped_or_plain
 
 keras_hub = pytest.importorskip("keras_hub")
 
-_SIZES = dict(vocabulary_size=256, num_layers=4, hidden_dim=128,
-              intermediate_dim=512, dropout=0.1)
-_BATCH, _SEQ = 8, 128
+_SIZES = models.HUB_SIZES
+_CLASSES = {"gpt2": "GPT2Backbone", "bert": "BertBackbone",
+            "llama": "LlamaBackbone", "gemma": "GemmaBackbone"}
 
 
 def _backbone(name, num_layers=_SIZES["num_layers"]):
-  models = keras_hub.models
-  sizes = dict(_SIZES, num_layers=num_layers)
-  if name == "gpt2":
-    return models.GPT2Backbone(num_heads=4, max_sequence_length=_SEQ,
-                               **sizes)
-  if name == "bert":
-    return models.BertBackbone(num_heads=4, max_sequence_length=_SEQ,
-                               **sizes)
-  if name == "llama":
-    return models.LlamaBackbone(num_query_heads=4, num_key_value_heads=2,
-                                **sizes)
-  return models.GemmaBackbone(num_query_heads=4, num_key_value_heads=2,
-                              head_dim=32, **sizes)
+  return models.hub_backbone(_CLASSES[name], num_layers)
 
 
 def _batch(name):
-  batch = {
-      "token_ids": tf.random.stateless_uniform(
-          [_BATCH, _SEQ], seed=[1, 2], maxval=256, dtype=tf.int32),
-      "padding_mask": tf.sequence_mask(
-          [_SEQ, 100, 64, _SEQ, 30, _SEQ, 127, 90], _SEQ, dtype=tf.int32)}
-  if name == "bert":
-    batch["segment_ids"] = tf.zeros([_BATCH, _SEQ], tf.int32)
-  return batch
+  return models.hub_batch(_CLASSES[name])
 
 
 @pytest.mark.slow

@@ -20,8 +20,11 @@ __all__ = [
     "transformer_parts",
     "transformer_lm",
     "whole_model",
+    "hub_backbone",
+    "hub_batch",
     "APPLICATIONS",
     "HUB_BACKBONES",
+    "HUB_SIZES",
 ]
 
 
@@ -104,16 +107,15 @@ APPLICATIONS = {
 # KerasHub backbones, each 4 layers, hidden 128, sequence 128, batch 8.
 HUB_BACKBONES = ("GPT2Backbone", "BertBackbone", "LlamaBackbone",
                  "GemmaBackbone")
-_HUB_SIZES = dict(vocabulary_size=256, num_layers=4, hidden_dim=128,
-                  intermediate_dim=512, dropout=0.1)
+HUB_SIZES = dict(vocabulary_size=256, num_layers=4, hidden_dim=128,
+                 intermediate_dim=512, dropout=0.1)
 _HUB_BATCH, _HUB_SEQ = 8, 128
 
 
 def whole_model(name, seed=0):
   """(model, batch): `name` from APPLICATIONS (10 classes) or HUB_BACKBONES
-  (needs keras-hub: `pip install ".[hub]"`), random weights, at its size
-  above; the batch is the same in every process. A KerasHub batch pads
-  its rows to different lengths."""
+  (`hub_backbone` and `hub_batch`), random weights, at its size above; the
+  batch is the same in every process."""
   keras.utils.set_random_seed(seed)
   if name in APPLICATIONS:
     size, batch = APPLICATIONS[name]
@@ -125,6 +127,12 @@ def whole_model(name, seed=0):
     raise errors.InvalidArgumentError(
         f"Unknown model {name!r}; choose from "
         f"{', '.join(list(APPLICATIONS) + list(HUB_BACKBONES))}.")
+  return hub_backbone(name), hub_batch(name)
+
+
+def hub_backbone(name, num_layers=HUB_SIZES["num_layers"]):
+  """The KerasHub backbone `name` (one of HUB_BACKBONES) at HUB_SIZES, with
+  `num_layers` layers; needs keras-hub (`pip install ".[hub]"`)."""
   try:
     import keras_hub  # pylint: disable=import-outside-toplevel
   except ImportError as e:
@@ -136,14 +144,20 @@ def whole_model(name, seed=0):
            dict(num_query_heads=4, num_key_value_heads=2))
   if name == "GemmaBackbone":
     heads["head_dim"] = 32
-  model = getattr(keras_hub.models, name)(**heads, **_HUB_SIZES)
+  return getattr(keras_hub.models, name)(
+      **heads, **dict(HUB_SIZES, num_layers=num_layers))
+
+
+def hub_batch(name):
+  """A batch for `hub_backbone(name)`, the same in every process: its rows
+  padded to different lengths."""
   batch = {
       "token_ids": tf.random.stateless_uniform(
           [_HUB_BATCH, _HUB_SEQ], seed=[1, 2],
-          maxval=_HUB_SIZES["vocabulary_size"], dtype=tf.int32),
+          maxval=HUB_SIZES["vocabulary_size"], dtype=tf.int32),
       "padding_mask": tf.sequence_mask(
           [_HUB_SEQ, 100, 64, _HUB_SEQ, 30, _HUB_SEQ, 127, 90], _HUB_SEQ,
           dtype=tf.int32)}
   if name == "BertBackbone":
     batch["segment_ids"] = tf.zeros([_HUB_BATCH, _HUB_SEQ], tf.int32)
-  return model, batch
+  return batch
