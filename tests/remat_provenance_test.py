@@ -5,7 +5,7 @@ tensors a `tf.function` captures above and below TensorFlow's 128-element
 inlining threshold, variables trainable or not and also read outside the
 block, an input computed from a weight the block reads, a layer applied
 before and inside, the same tensor twice, nested structures, ragged and
-sparse inputs, loops and conds inside the block) with the execution mode,
+sparse inputs made inside the step or captured whole, loops and conds inside the block) with the execution mode,
 the nesting depth (1-3 rematerialized calls, each inside the one before),
 whether every nested function opens a gradient tape of its own, and the save
 policy. Every case is compared with the same computation without
@@ -100,6 +100,11 @@ def _make_cases():
                         tf.range(16, dtype=tf.int64) % 4], axis=1)
     return [values], (tf.SparseTensor(indices, flat, [4, 4]),)
 
+  # Composite tensors made eagerly, outside the training step, which a
+  # tf.function captures whole: the tape watches their components.
+  ragged_capture = tf.RaggedTensor.from_row_lengths(small, [1, 1])
+  sparse_capture = sparse(large[:2])[1][0]
+
   return [
       Case("argument", watch_x, block, arguments=(x,), variables=[w]),
       Case("captured_large", lambda a: ([large], (large,)), block,
@@ -139,6 +144,13 @@ def _make_cases():
       Case("ragged_from_captured_small", lambda a: ragged(small),
            lambda r: tf.reduce_sum(tf.sin(r) * r, axis=1), xla=False),
       Case("sparse_from_captured_large", lambda a: sparse(large[:2]),
+           lambda s: tf.sparse.reduce_sum(s.with_values(tf.sin(s.values)),
+                                          axis=1), xla=False),
+      Case("captured_ragged_small",
+           lambda a: ([ragged_capture.flat_values], (ragged_capture,)),
+           lambda r: tf.reduce_sum(tf.sin(r) * r, axis=1), xla=False),
+      Case("captured_sparse_large",
+           lambda a: ([sparse_capture.values], (sparse_capture,)),
            lambda s: tf.sparse.reduce_sum(s.with_values(tf.sin(s.values)),
                                           axis=1), xla=False),
       Case("variable_in_while_loop", watch_x, loop, arguments=(x,),
@@ -285,4 +297,4 @@ def test_every_source_meets_every_mode_depth_tape_and_policy():
     assert {c[2] for c in mine} == {1, 2, 3}
     assert {c[3] for c in mine} == {False, True}
     assert {c[4] for c in mine} == set(POLICIES)
-  assert len(CASE_NAMES) == len(set(CASE_NAMES)) == 17
+  assert len(CASE_NAMES) == len(set(CASE_NAMES)) == 19

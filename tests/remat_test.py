@@ -435,3 +435,18 @@ def test_bad_arguments_raise_clear_errors():
     tfremat.rematerialize(3)
   with pytest.raises(ValueError, match="determinism_check must be one of"):
     tfremat.RematerializeFn(tf.sin, tf.ones([2]), determinism_check="exact")
+
+
+@pytest.mark.parametrize("kind", ["ragged", "sparse"])
+def test_ragged_and_sparse_arguments_under_xla_are_refused_clearly(kind):
+  if kind == "ragged":
+    x = tf.ragged.constant([[1.0, 2.0], [3.0]])
+    fn = lambda r: tf.sin(r.to_tensor())
+  else:
+    x = tf.sparse.from_dense(tf.eye(3))
+    fn = lambda s: tf.sin(tf.sparse.to_dense(s))
+  step = compile_step(lambda: tf.reduce_sum(tfremat.RematerializeFn(fn, x)),
+                      "xla")
+  with pytest.raises(tfremat.errors.UnsupportedError,
+                     match="under XLA.*without jit_compile"):
+    step()

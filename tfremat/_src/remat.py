@@ -316,15 +316,33 @@ def rematerialize_with_losses(fn, xs, on_losses=_refuse_losses,
     # (`compute_output_spec`) where variables have no values yet and no
     # gradient is ever taken: only the output's shape is wanted.
     return fn(*xs), []
-  if (determinism_check == "values" and not tf.executing_eagerly() and
-      control_flow_util.GraphOrParentsInXlaContext(
-          tf.compat.v1.get_default_graph())):
+  if _under_xla():
+    _refuse_under_xla(xs, determinism_check)
+  debug = _debugging() if debug is None else bool(debug)
+  return _forward(fn, xs, determinism_check, policy, on_losses, debug)
+
+
+def _under_xla():
+  return (not tf.executing_eagerly() and
+          control_flow_util.GraphOrParentsInXlaContext(
+              tf.compat.v1.get_default_graph()))
+
+
+def _refuse_under_xla(xs, determinism_check):
+  """Raises where XLA (jit_compile) cannot compile the call."""
+  if determinism_check == "values":
     raise errors.InvalidArgumentError(
         "determinism_check='values' cannot run under XLA (jit_compile), which "
         "drops assertions. Check values with the same step run eagerly or in "
         "a tf.function without jit_compile.")
-  debug = _debugging() if debug is None else bool(debug)
-  return _forward(fn, xs, determinism_check, policy, on_losses, debug)
+  for x in tf.nest.flatten(xs):
+    if isinstance(x, (tf.RaggedTensor, tf.SparseTensor)):
+      raise errors.UnsupportedError(
+          f"RematerializeFn got a {type(x).__name__} argument under XLA "
+          "(jit_compile=True), which cannot compile ragged and sparse "
+          "tensors' ops, with or without rematerialization. Run the step in "
+          "a tf.function without jit_compile, or pass a dense tensor "
+          "(`.to_tensor()`, `tf.sparse.to_dense`).")
 
 
 def _in_keras_symbolic_call():
@@ -393,8 +411,9 @@ class _Forward:
 
 
 def _apply(fn, xs, leaves):
-  """`fn` called on `leaves` packed as the arguments `xs` are."""
-  return fn(*tf.nest.pack_sequence_as(xs, leaves))
+  """`fn` called on `leaves` (composite arguments' components included)
+  packed as the arguments `xs` are."""
+  return fn(*tf.nest.pack_sequence_as(xs, leaves, expand_composites=True))
 
 
 class _ForwardRun(collections.namedtuple(
@@ -408,12 +427,16 @@ def _forward(fn, xs, determinism_check, policy, on_losses, debug):
   context = _ForwardContext()
   fn = context.convert(fn)
   eager = tf.executing_eagerly()
+  # A composite argument (a tf.RaggedTensor, tf.SparseTensor, ...) is its
+  # component tensors: each is an input, differentiated and gated like a
+  # tensor argument. As a closure, an eager one that a tf.function inlines
+  # as a constant would be cut from the tape watching it (invariant 7).
+  leaves = tuple(tf.nest.flatten(xs, expand_composites=True))
   if not eager:
     # An eager tensor passed in a graph is the graph's capture of it, as
     # every op that reads it sees it: one source, not an input and a closure
     # that are the same tensor (invariant 7).
-    xs = tf.nest.map_structure(_in_current_graph, xs)
-  leaves = tuple(tf.nest.flatten(xs))
+    leaves = tuple(_in_current_graph(x) for x in leaves)
   # Eager ops run as they are called: nothing could be skipped.
   policy = None if eager or policies.is_nothing(policy) else policy
   seed = step_seed.GetStepSeed()
