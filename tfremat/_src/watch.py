@@ -13,7 +13,8 @@ none (TensorFlow does not call callbacks from inside one).
 
 import threading
 
-from tensorflow.python.framework import op_callbacks
+from tensorflow.python.eager import context
+from tensorflow.python.eager import execute
 
 __all__ = ["Handler", "last_op_id"]
 
@@ -56,7 +57,7 @@ class Handler:
   def __enter__(self):
     handlers = _handlers()
     if not handlers:
-      op_callbacks.add_op_callback(_dispatch)
+      _register()
     handlers.append(self)
     return self
 
@@ -67,4 +68,20 @@ class Handler:
         del handlers[i]
         break
     if not handlers:
-      op_callbacks.remove_op_callback(_dispatch)
+      context.context().remove_op_callback(_dispatch)
+
+
+def _register():
+  """Registers `_dispatch` as this thread's op callback.
+
+  TensorFlow keeps op callbacks per thread, but `op_callbacks.add_op_callback`
+  also switches the module-level `execute.execute` (how ops without a fast
+  path run eagerly) to the version that calls them, and
+  `remove_op_callback` switches it back for every thread as soon as the
+  calling thread has none left: a thread still watching would miss some of
+  its eager ops (a BiasAdd, a Mean) and its rerun check would fail. So the
+  switch is made here and never undone; with no callback registered, the
+  calling version only loops over an empty list.
+  """
+  context.context().add_op_callback(_dispatch)
+  execute.execute = execute.execute_with_callbacks
