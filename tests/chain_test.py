@@ -387,7 +387,7 @@ def test_budgets_hold_when_measured(model):
     assert chosen.measured.bound_bytes <= budget, (fraction, str(chosen))
     # Measured again, on a fresh layer: every call within the budget.
     later = chain.measure_peaks(tfremat.RematSequential(
-        blocks, chosen.segments, ordered=chain.PLANNED_ORDER), x)
+        blocks, chosen.segments, ordered=chosen.ordered), x)
     assert max(later) <= budget, (fraction, later, budget, str(chosen))
     assert any(chosen.rematerialized)
   # A budget over the measured peak by more than its spread keeps
@@ -590,7 +590,7 @@ def test_a_budget_below_every_layer_alone_is_met_nested():
   assert chosen.measured.bound_bytes <= chosen.budget_bytes, str(chosen)
   assert "remat 0, nested" in str(chosen)
   later = chain.measure_peaks(tfremat.RematSequential(
-      blocks, chosen.segments, ordered=chain.PLANNED_ORDER), x)
+      blocks, chosen.segments, ordered=chosen.ordered), x)
   assert max(later) <= chosen.budget_bytes, (later, str(chosen))
 
 

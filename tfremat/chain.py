@@ -488,7 +488,7 @@ def remat_sequential(layers, segments=None, budget=None, sample_input=None,
   chosen = checked_plan(layers, budget, sample_input, verbose=verbose,
                         policies=policies)
   return RematSequential(layers, chosen.segments, plan=chosen,
-                         ordered=PLANNED_ORDER)
+                         ordered=chosen.ordered)
 
 
 def planned_policies(names):
@@ -553,10 +553,9 @@ def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
   steps = (len(layers) if costs is None else 0) + 1 + rounds + 1
   progress = measure.progress_bar(steps, "measurement", verbose)
 
-  def measured_peak(segments, **kwargs):
-    peaks = measure_peaks(RematSequential(layers, segments,
-                                          ordered=PLANNED_ORDER), sample_input,
-                          calls=CHECK_CALLS, **kwargs)
+  def measured_peak(segments, ordered=PLANNED_ORDER, **kwargs):
+    peaks = measure_peaks(RematSequential(layers, segments, ordered=ordered),
+                          sample_input, calls=CHECK_CALLS, **kwargs)
     if progress is not None:
       progress.add(1)
     return peaks
@@ -567,7 +566,7 @@ def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
     # show the budget out of reach before any layer is measured.
     keep_peaks = measured_peak(keep, gradients=gradients)
     gradient_bytes = sum(gradients)
-    kept = planner.Measured.keeping_everything(keep_peaks)
+    kept = planner.Measured.with_margin(keep_peaks)
     error = planner.gradients_floor_error(budget, kept, gradient_bytes)
     if error is not None:
       raise error
@@ -578,7 +577,8 @@ def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
         costs, budget,
         lambda s: keep_peaks if s == keep else measured_peak(s), rounds,
         nestable=[in_place.can_nest(nest_target(l)) for l in layers],
-        gradient_bytes=gradient_bytes)
+        gradient_bytes=gradient_bytes,
+        measured_ordered=lambda s: measured_peak(s, ordered=True))
   if progress is not None:
     progress.update(progress.target, finalize=True)
   return chosen
@@ -824,17 +824,18 @@ def _kinds_kept(residuals_kept):
   return "+".join(sorted(kinds, key=lambda k: order.get(k, 3))) or "nothing"
 
 
-# Planned chains run ordered (`RematSequential(..., ordered=True)`), as they
-# are measured: a budget is a promise about later steps, and in a loaded
-# process unordered steps peaked above plans' bounds where ordered ones had
-# not (docs/benchmarks.md, "Measurements behind the defaults"). Chains
-# without a budget run unordered, which is faster.
-PLANNED_ORDER = True
+# Planned chains run unordered, as they are measured: ordering every large op
+# made a step's peak repeatable within a process, but cost 5-25% of the
+# step time on the benchmark's chains, while the bound each plan is held to
+# (its largest peak, the spread of its calls, the allocator margin) covers
+# what an unordered step's peak moves by (docs/design.md, "Budgets that
+# hold"). A budget that no unordered plan meets is tried ordered before it
+# is refused (`checked_plan`).
+PLANNED_ORDER = False
 
 # A plan's measured bound (`planner.Measured`) comes from this many calls of
-# its step. An ordered chain (`RematSequential._ordered`) varies little from
-# call to call in one process; what moves between processes is covered by
-# the bound's allocator margin, not by more calls.
+# its step: their spread is part of the bound, and what moves between
+# processes is covered by the bound's allocator margin, not by more calls.
 CHECK_CALLS = measure.PEAK_CALLS
 
 

@@ -56,6 +56,8 @@ __all__ = [
     "keep_all",
     "uniform_segments",
     "ALLOCATOR_MARGIN",
+    "margin_bytes",
+    "peak_for_bound",
     "FASTER_BY",
     "AIM_BELOW",
     "LEGEND",
@@ -74,8 +76,9 @@ class Measured:
   covers what moves from process to process: TensorFlow's BFC allocator
   (on the CPU here, and on GPUs) counts a tensor placed in a free chunk
   less than twice its size as the whole chunk, and which chunks are free
-  depends on everything the process did before. `ALLOCATOR_MARGIN` says how
-  large it is.
+  depends on everything the process did before. A step's peak can move by
+  that rounding of the tensors it holds, so the margin is a fraction of the
+  plan's own largest peak (`ALLOCATOR_MARGIN`).
 
   Attributes:
     peak_bytes: the largest peak of the calls.
@@ -102,12 +105,11 @@ class Measured:
     return cls(int(value), int(value) + margin_bytes, 1, margin_bytes)
 
   @classmethod
-  def keeping_everything(cls, value):
-    """Keeping everything's Measured (from what `of` reads), its margin
-    `ALLOCATOR_MARGIN` of its own largest peak: the margin every other
-    plan's bound then carries."""
+  def with_margin(cls, value):
+    """A Measured (from what `of` reads) whose bound adds the allocator
+    margin: `ALLOCATOR_MARGIN` of its own largest peak."""
     first = cls.of(value)
-    return cls.of(first, int(ALLOCATOR_MARGIN * first.peak_bytes))
+    return cls.of(first, margin_bytes(first.peak_bytes))
 
   @property
   def spread_bytes(self):
@@ -115,13 +117,25 @@ class Measured:
     return self.bound_bytes - self.peak_bytes - self.margin_bytes
 
 
-# The allocator margin of every plan's bound, as a fraction of the measured
-# peak of keeping everything (`Measured`): what one plan's peak moved by
-# between the process that planned it and fresh processes that loaded it
-# (docs/design.md, "Budgets that hold"; the figures are in
-# docs/benchmarks.md, "Measurements behind the defaults"). Set it to 0 to
-# plan on this process's measurements alone.
-ALLOCATOR_MARGIN = 0.1
+def margin_bytes(peak_bytes):
+  """The allocator margin of a plan that peaked at `peak_bytes`."""
+  return int(ALLOCATOR_MARGIN * peak_bytes)
+
+
+def peak_for_bound(bound_bytes):
+  """The largest peak whose bound, before the calls' spread, is at most
+  `bound_bytes`."""
+  return int(bound_bytes / (1 + ALLOCATOR_MARGIN))
+
+
+# The allocator margin of every plan's bound, as a fraction of the plan's
+# own measured peak (`Measured`): what one plan's peak moved by between the
+# process that planned it and fresh processes that loaded it, beyond the
+# spread of its calls (docs/design.md, "Budgets that hold"). A budget at
+# 1.25x the lowest plan's peak is then planned wherever that plan's calls
+# spread by less than 10% of it. Set it to 0 to plan on this process's
+# measurements alone.
+ALLOCATOR_MARGIN = 0.12
 
 
 @dataclasses.dataclass(frozen=True)
@@ -525,13 +539,18 @@ class Plan:
     measured: this plan's measured peaks (a `Measured`, set when
       `calibrated_plan` checks it), else None.
     measured_keep: the same for keeping everything, else None.
+    ordered: whether the chain runs ordered (`RematSequential(...,
+      ordered=True)`): the planner orders a plan only where no unordered
+      plan it measured fits.
   """
 
-  def __init__(self, costs, segments, budget_bytes=None, budget=None):
+  def __init__(self, costs, segments, budget_bytes=None, budget=None,
+               ordered=False):
     self.costs = list(costs)
     self.segments = list(segments)
     self.budget_bytes = budget_bytes
     self.budget = budget
+    self.ordered = bool(ordered)
     self.peak_bytes, self.seconds = predict(costs, segments)
     self.measured = None
     self.measured_keep = None
@@ -564,6 +583,7 @@ class Plan:
                      else None),
         "measured_keep": (dataclasses.asdict(self.measured_keep)
                           if self.measured_keep else None),
+        "ordered": self.ordered,
     }
 
   @classmethod
@@ -572,7 +592,8 @@ class Plan:
     result = cls([LayerCost(**c) for c in config["costs"]],
                  [Segment(*s) for s in config["segments"]],
                  config.get("budget_bytes"),
-                 Budget(**budget) if budget else None)
+                 Budget(**budget) if budget else None,
+                 config.get("ordered", False))
     for name in ("measured", "measured_keep"):
       if config.get(name):
         setattr(result, name, Measured(**config[name]))
@@ -626,6 +647,9 @@ class Plan:
       rows.append(("bound", mib(m.bound_bytes),
                    f"for every later call: largest + spread of the {m.calls} "
                    f"calls{margin}{verdict}"))
+    if self.ordered:
+      rows.append(("order", "ordered", "the chain's ops run in one order "
+                   "(no unordered plan measured fits the budget)"))
     rows.append(("cost model's peak", mib(self.peak_bytes),
                  f"{self.peak_bytes / self.baseline_peak_bytes:.2f}x of "
                  f"keeping everything, by the model "
@@ -675,7 +699,7 @@ AIM_BELOW = 0.03
 
 
 def calibrated_plan(costs, budget, measured_peak, rounds=4, nestable=None,
-                    gradient_bytes=0):
+                    gradient_bytes=0, measured_ordered=None):
   """The plan for `budget`, chosen on measured peaks, not on the model alone.
 
   The cost model's peaks are estimates, above the measured ones on some
@@ -689,10 +713,9 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4, nestable=None,
      `gradient_bytes` plus the allocator margin is refused here, before any
      plan is measured (`gradients_floor_error`).
   2. That measurement calibrates the model: plans are made for the aim,
-     the budget less the allocator margin and `AIM_BELOW` of the rest,
-     times (predicted / measured bound less the margin, of keeping
-     everything). The margin is bytes of keeping everything's peak, the
-     same in every plan's bound, so it is taken off, not scaled.
+     the largest peak whose bound with the allocator margin fits the budget
+     (`peak_for_bound`) less `AIM_BELOW` of it, times (predicted / measured
+     bound less the margin, of keeping everything).
   3. Each plan is measured, and the model is recalibrated on it: the next
      target is that plan's predicted peak times the aim / (its measured
      bound less margin) (below its predicted peak if it did not fit the
@@ -710,6 +733,11 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4, nestable=None,
      rematerialized and reruns those one at a time) is measured, before the
      budget is refused. A transformer layer's rerun holds its attention's
      and its feed-forward's working sets at once; nested, one of them.
+     With `measured_ordered`, each of these two is measured ordered too,
+     right after it is measured unordered: an ordered chain peaks lower on
+     some chains (one schedule, no two reruns' tensors alive at once), at a
+     cost in step time, so order is taken only where nothing unordered
+     fits.
 
   Args:
     costs: the chain's LayerCosts.
@@ -725,6 +753,8 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4, nestable=None,
     gradient_bytes: the bytes of the weight gradients the chain's training
       step returns, as measured (`tfremat.chain.checked_plan` measures):
       every plan's step ends holding them.
+    measured_ordered: segments -> measured peaks as for `measured_peak`,
+      with the chain run ordered; None: no plan is tried ordered.
 
   Returns:
     The fastest (by the model) plan whose measured bound is within the
@@ -738,32 +768,34 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4, nestable=None,
   """
   budget = Budget.parse(budget)
   keep = Plan(costs, keep_all(len(costs)))
-  keep.measured = Measured.keeping_everything(measured_peak(keep.segments))
-  margin = keep.measured.margin_bytes
+  keep.measured = Measured.with_margin(measured_peak(keep.segments))
   budget_bytes = budget.bytes_given(keep.measured.peak_bytes)
   error = gradients_floor_error(budget, keep.measured, gradient_bytes)
   if error is not None:
     raise error
+  ordered = (None if measured_ordered is None else
+             lambda s: Measured.with_margin(measured_ordered(s)))
   chosen = _calibrated(costs, keep, budget, budget_bytes,
-                       lambda s: Measured.of(measured_peak(s), margin), rounds,
-                       nestable)
+                       lambda s: Measured.with_margin(measured_peak(s)),
+                       rounds, nestable, ordered)
   chosen.budget, chosen.budget_bytes = budget, budget_bytes
   chosen.measured_keep = keep.measured
   return chosen
 
 
 def _calibrated(costs, keep, budget, budget_bytes, measured_peak, rounds,
-                nestable=None):
+                nestable=None, measured_ordered=None):
   """`calibrated_plan`'s search, from the measured keep-everything plan."""
   # Keeping everything is the fastest plan; use it whenever it really fits,
   # whatever the model predicts, and for 100% of itself.
   if (keep.measured.bound_bytes <= budget_bytes or
       (budget is not None and budget.fraction == 1.0)):
     return keep
-  margin = keep.measured.margin_bytes  # The same bytes in every bound:
-  room = max(0, budget_bytes - margin)  # taken off, not scaled.
+  # Each plan's margin is a fraction of its own peak: the room for peaks.
+  room = peak_for_bound(budget_bytes)
   aim = int(room * (1 - AIM_BELOW))
-  scale = keep.peak_bytes / max(1, keep.measured.bound_bytes - margin)
+  scale = keep.peak_bytes / max(
+      1, keep.measured.bound_bytes - keep.measured.margin_bytes)
   target, tried = int(aim * scale), {}
   # The plan the model predicts to peak lowest, made once if needed.
   floor_plan = functools.cache(lambda: lowest_plan(costs))
@@ -788,7 +820,7 @@ def _calibrated(costs, keep, budget, budget_bytes, measured_peak, rounds,
     tried[key] = chosen
     # Recalibrate: the target at which the model's peak, scaled by this
     # plan's measured bound / predicted peak (less margin), meets the aim.
-    bound = max(1, chosen.measured.bound_bytes - margin)
+    bound = max(1, chosen.measured.bound_bytes - chosen.measured.margin_bytes)
     scaled = int(chosen.peak_bytes * aim / bound)
     if chosen.measured.bound_bytes > budget_bytes:
       target = min(scaled, chosen.peak_bytes - 1)  # Below this plan.
@@ -799,7 +831,8 @@ def _calibrated(costs, keep, budget, budget_bytes, measured_peak, rounds,
   fitting = _fitting(tried, keep, budget_bytes)
   if not fitting:
     fitting = _lowest_fitting(costs, tried, keep, budget_bytes,
-                              measured_peak, floor_plan(), nestable)
+                              measured_peak, floor_plan(), nestable,
+                              measured_ordered)
   if fitting:
     return min(fitting, key=lambda p: p.seconds)
   lowest = min(tried.values(), key=lambda p: p.measured.bound_bytes)
@@ -808,16 +841,25 @@ def _calibrated(costs, keep, budget, budget_bytes, measured_peak, rounds,
 
 
 def _lowest_fitting(costs, tried, keep, budget_bytes, measured_peak, floor,
-                    nestable):
+                    nestable, measured_ordered=None):
   """Before refusing: `floor`, the plan the model predicts to peak lowest,
   if the rounds did not get down to it (plans near the budget measured over
   it, and each round lowered the target only a little); then, if it does
-  not fit, the same plan nested, lower still and slower. Measures into
-  `tried`; returns the plans that fit."""
+  not fit, the same plan nested, lower still and slower. With
+  `measured_ordered`, each is also tried ordered, right after it is tried
+  unordered. Measures into `tried`; returns the plans that fit."""
   for segments in (floor.segments, _nested(floor.segments, nestable)):
-    if segments and tuple(segments) not in tried:
-      tried[tuple(segments)] = Plan(costs, segments)
-      tried[tuple(segments)].measured = measured_peak(segments)
+    if not segments:
+      continue
+    tries = [(False, measured_peak)]
+    if measured_ordered is not None:
+      tries.append((True, measured_ordered))
+    for ordered, measure_it in tries:
+      key = (tuple(segments), ordered) if ordered else tuple(segments)
+      if key in tried:
+        continue
+      tried[key] = Plan(costs, segments, ordered=ordered)
+      tried[key].measured = measure_it(segments)
       fitting = _fitting(tried, keep, budget_bytes)
       if fitting:
         return fitting
@@ -877,7 +919,7 @@ def unreachable_budget_error(costs, budget, budget_bytes, keep_peak, lowest):
     parts = (f": that plan's largest peak, {mib(lowest.peak_bytes)}, plus "
              f"the spread of its calls, {mib(lowest.spread_bytes)}, plus the "
              f"allocator margin, {mib(lowest.margin_bytes)} "
-             "(tfremat.planner.ALLOCATOR_MARGIN)")
+             "(tfremat.planner.ALLOCATOR_MARGIN of its peak)")
     lowest = lowest.bound_bytes
   terms = "; ".join(f"{what}: {mib(n)}" for what, n in floor_terms(costs))
   return errors.BudgetUnreachableError.of(
@@ -909,7 +951,8 @@ def gradients_floor_error(budget, keep, gradient_bytes):
     gradient_bytes: the bytes of the weight gradients a step returns.
   """
   budget_bytes = budget.bytes_given(keep.peak_bytes)
-  lowest = gradient_bytes + keep.margin_bytes
+  margin = margin_bytes(gradient_bytes)
+  lowest = gradient_bytes + margin
   if (lowest <= budget_bytes or keep.bound_bytes <= budget_bytes or
       budget.fraction == 1.0):
     return None
@@ -923,7 +966,8 @@ def gradients_floor_error(budget, keep, gradient_bytes):
       f" measured keep-everything peak ({mib(keep.peak_bytes)}). Every plan's"
       f" training step ends holding the weight gradients, "
       f"{mib(gradient_bytes)}, and every plan's bound adds the allocator "
-      f"margin, {mib(keep.margin_bytes)} (tfremat.planner.ALLOCATOR_MARGIN)."
+      f"margin, at least {mib(margin)} (tfremat.planner.ALLOCATOR_MARGIN of "
+      "the plan's peak)."
       " Rematerializing frees activations, not weight gradients: raise the "
       f"budget to at least {least}% ({mib(lowest)}).", lowest, keep.peak_bytes)
 

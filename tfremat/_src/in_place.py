@@ -344,11 +344,10 @@ def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
 
   try:
     keep_peaks = peaks(0)
-    keep = planner.Measured.keeping_everything(keep_peaks)
-    margin = keep.margin_bytes
+    keep = planner.Measured.with_margin(keep_peaks)
     budget_bytes = budget.bytes_given(keep.peak_bytes)
     found, (count, nest) = _fewest_that_fit(
-        lambda k, nest=False: planner.Measured.of(peaks(k, nest), margin),
+        lambda k, nest=False: planner.Measured.with_margin(peaks(k, nest)),
         keep, len(layers), budget_bytes, nested)
   finally:
     undo_remat_in_place(layers)

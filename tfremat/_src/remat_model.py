@@ -799,7 +799,7 @@ def _planned(model, budget, sample_input, policy_names, verbose, mode,
       unit.sample_context = None  # Not kept alive by the model.
   return parts.model_with(chain_lib.RematSequential(
       units, chosen.segments, plan=chosen,
-      ordered=chain_lib.PLANNED_ORDER, name=f"{model.name}_chain"))
+      ordered=chosen.ordered, name=f"{model.name}_chain"))
 
 
 class _ModelChain:
