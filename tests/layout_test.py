@@ -100,7 +100,7 @@ def test_each_idea_sits_at_its_level():
   assert "_src.selective" in deps["_src.remat"]
   assert deps["_src.layers"] <= {"_src.hyperparams", "policies", "_src.remat"}
   assert "chain" not in deps["_src.layers"] | deps["planner"]
-  top = {"bench", "models"}
+  top = {"bench", "max_batch", "models"}
   lingvo = {m for m in graph if m.split(".")[0] == "lingvo"}
   library = set(graph) - top - lingvo - {"__init__"}
   assert not any(graph[m] & {"bench"} for m in graph), graph

@@ -9,6 +9,7 @@
   python -m tfremat.bench --sweep --plot     # the default file, sweep.png
   python -m tfremat.bench --policy dots_saveable  # tfremat under a policy
   python -m tfremat.bench --whole_models all   # remat_model on real models
+  python -m tfremat.bench --max_batch 512MiB   # the largest batch that fits
 
 TensorFlow's start-up lines are silenced unless --verbosity is given (e.g.
 --verbosity=0).
@@ -29,7 +30,7 @@ median over --steps rounds, each calling every method once in shuffled order;
 the first call, which traces (and compiles, with --jit), is timed apart, and
 so is tracing alone (median of 3 shuffled rounds; not in eager mode).
 The gradient error is the largest absolute difference from the `none`
-method's gradients, with dropout active.
+method's gradients over the largest of those gradients, with dropout active.
 
 --policy runs the tfremat methods under a save policy (`tfremat.policies`).
 
@@ -63,6 +64,7 @@ import tensorflow as tf
 
 import tfremat
 from tfremat import chain
+from tfremat import max_batch
 from tfremat import measure
 from tfremat import models
 from tfremat import planner
@@ -74,11 +76,13 @@ __all__ = [
     "chain_and_batch",
     "measure_methods",
     "format_table",
+    "gradient_error",
     "format_scheme_table",
     "measure_whole_model",
     "format_whole_table",
     "uniform_schemes",
     "policy_schemes",
+    "mark_dominated",
     "METHODS",
 ]
 
@@ -130,6 +134,13 @@ def define_flags():
                     "(all: every one available): " +
                     ", ".join(list(models.APPLICATIONS) +
                               list(models.HUB_BACKBONES)) + ".")
+  flags.DEFINE_string("max_batch", None,
+                      "A memory budget (\"512MiB\", \"1GiB\"): find, by "
+                      "measuring, the largest batch each method trains "
+                      "within it, and its examples per second.")
+  flags.DEFINE_list("max_batch_models", list(max_batch.MODELS),
+                    "The models --max_batch runs (--blocks and --width size "
+                    "mlp and transformer).")
   flags.DEFINE_string("csv", "sweep.csv", "Where --sweep writes its CSV.")
   flags.DEFINE_string("plot", "sweep.png",
                       "Where --sweep draws its plot (needs matplotlib: "
@@ -256,10 +267,10 @@ def _schemes_and_plans(fractions, progress):
   blocks, x = chain_and_batch(FLAGS.model, _sizes(), FLAGS.dropout)
   rows, steps = [], []
 
-  def run(name, kind, segments, fraction=None, plan_seconds=None):
+  def run(name, kind, segments, fraction=None, plan_seconds=None,
+          ordered=False):
     # The planner's rows run as remat_sequential(budget=...) returns them.
-    layer = tfremat.RematSequential(
-        blocks, segments, ordered=kind == "planner" and chain.PLANNED_ORDER)
+    layer = tfremat.RematSequential(blocks, segments, ordered=ordered)
     step = chain.training_step(layer, jit=FLAGS.jit)
     used = sorted({planner.short_policy_name(s.policy) for s in segments
                    if s.remat and s.policy})
@@ -299,8 +310,9 @@ def _schemes_and_plans(fractions, progress):
     # What remat_sequential(budget=...) would take: the chain's measurement
     # (shared by the fractions here) and this fraction's checked plan.
     run(f"planner {fraction:.0%}", "planner", chosen.segments, fraction,
-        costs_seconds + time.perf_counter() - start)
+        costs_seconds + time.perf_counter() - start, chosen.ordered)
   _add_times(rows, steps, x)
+  mark_dominated(rows)
   for r in rows:
     r["peak_x_none"] = _ratio(r["peak_bytes"], full)
     r["step_x_none"] = _ratio(r["step_seconds"], rows[0]["step_seconds"])
@@ -308,6 +320,21 @@ def _schemes_and_plans(fractions, progress):
                          int(r["budget_fraction"] * full))
     r["fits"] = (None if r["budget_bytes"] is None else
                  r["peak_bytes"] <= r["budget_bytes"])
+  return rows
+
+
+def mark_dominated(rows):
+  """Sets each row's "dominated_by": the name of a row that beats it on both
+  axes (a lower peak, and a step time whose 75th percentile is below this
+  row's 25th), the one with the lowest peak of those; "" where none does.
+  A dominated row is a choice no user should make, and a dominated planner
+  row is a regression."""
+  for r in rows:
+    better = [s for s in rows
+              if s["peak_bytes"] < r["peak_bytes"] and
+              s["step_p75_seconds"] < r["step_p25_seconds"]]
+    r["dominated_by"] = (min(better, key=lambda s: s["peak_bytes"])["scheme"]
+                         if better else "")
   return rows
 
 
@@ -347,8 +374,8 @@ step ms: the median over {steps} rounds, each calling every row's step once,
   difference inside them is noise."""
 
 METHOD_LEGEND = LEGEND + """
-max |grad - none|: the largest absolute difference of any gradient from the
-  `none` row's, with dropout active (0: exact).
+grad error: max |gradient - the `none` row's| / max |the `none` row's|, over
+  all gradients, with dropout active (0: exact; the tests' one scale).
 first call ms: the first call, which traces (and compiles, with --jit);
   trace ms: tracing alone, the median of 3."""
 
@@ -360,7 +387,9 @@ remat: how many blocks are rematerialized; policies: the save policies the
   softmax_saveable; +: together). budget MiB: the planner's budget, a
   fraction of the `none` row's peak; fits: whether the measured peak is
   within it; plan s: seconds the planner took for it (measuring the chain,
-  then checking plans), as remat_sequential(budget=...) would."""
+  then checking plans), as remat_sequential(budget=...) would.
+dominated by: a scheme with a lower peak whose step time's 75th percentile
+  is below this one's 25th: faster and smaller, beyond the timing's noise."""
 
 
 def format_scheme_table(rows):
@@ -369,7 +398,8 @@ def format_scheme_table(rows):
   policies_wide = max([34] + [len(r["policies"]) + 1 for r in rows])
   header = (f"{'scheme':<{wide}}{'remat':>6}  {'policies':<{policies_wide}}"
             f"{'peak MiB':>9}{'x none':>8}{'step ms':>10}{'IQR ms':>14}"
-            f"{'x none':>8}{'budget MiB':>12}{'fits':>6}{'plan s':>8}")
+            f"{'x none':>8}{'budget MiB':>12}{'fits':>6}{'plan s':>8}"
+            "  dominated by")
   lines = [header, "-" * len(header)]
   for r in rows:
     budget = ("" if r["budget_bytes"] is None else
@@ -382,7 +412,8 @@ def format_scheme_table(rows):
         f"{r['policies']:<{policies_wide}}"
         f"{r['peak_bytes'] / 2**20:>9.1f}{r['peak_x_none']:>8.2f}"
         f"{1000 * r['step_seconds']:>10.1f}{_spread(r):>14}"
-        f"{r['step_x_none']:>8.2f}{budget:>12}{fits:>6}{plan_s:>8}")
+        f"{r['step_x_none']:>8.2f}{budget:>12}{fits:>6}{plan_s:>8}"
+        f"  {r.get('dominated_by', '')}".rstrip())
   return "\n".join(lines)
 
 
@@ -390,7 +421,7 @@ def format_scheme_table(rows):
 CSV_COLUMNS = ("scheme", "kind", "rematerialized", "policies", "peak_bytes",
                "peak_x_none", "step_seconds", "step_p25_seconds",
                "step_p75_seconds", "step_x_none", "budget_fraction",
-               "budget_bytes", "fits", "plan_seconds")
+               "budget_bytes", "fits", "plan_seconds", "dominated_by")
 
 
 def write_csv(rows, path):
@@ -443,6 +474,12 @@ def plot_pareto(rows, path, title):
             ("policy", "D", "tab:purple", None),
             ("planner", "s", "tab:green", True),
             ("planner", "X", "tab:red", False))
+  dominated = [r for r in rows if r.get("dominated_by")]
+  if dominated:
+    ax.scatter([mib(r) for r in dominated], [ms(r) for r in dominated],
+               s=220, facecolors="none", edgecolors="tab:orange",
+               linewidths=1.5, zorder=3,
+               label="dominated: another scheme is smaller and faster")
   for kind, marker, color, fits in styles:
     part = [r for r in rows if r["kind"] == kind and r["fits"] == fits]
     if not part:
@@ -562,11 +599,21 @@ def _ms(seconds):
   return "-" if seconds is None else f"{1000 * seconds:.1f}"
 
 
+def gradient_error(grads, expected):
+  """max |grads - expected| / max |expected| over all the gradients: the
+  tests' one scale for all tensors."""
+  scale = max((float(np.abs(e).max()) for e in expected if e.size),
+              default=0.0)
+  worst = max((float(np.abs(a - e).max()) for a, e in zip(grads, expected)
+               if e.size), default=0.0)
+  return worst / scale if scale else worst
+
+
 def format_table(results):
   """The results as a text table, ratios relative to the `none` method."""
   base = results.get("none")
   header = (f"{'method':<20}{'peak MiB':>10}{'x none':>8}{'step ms':>10}"
-            f"{'IQR ms':>14}{'x none':>8}{'max |grad - none|':>20}"
+            f"{'IQR ms':>14}{'x none':>8}{'grad error':>12}"
             f"{'first call ms':>15}{'trace ms':>10}")
   lines = [header, "-" * len(header)]
   for method, r in results.items():
@@ -578,11 +625,9 @@ def format_table(results):
       base_ms = 1000 * base["step_seconds"]
       ratios = (f"{_ratio(r['peak_bytes'], base['peak_bytes']):.2f}",
                 f"{_ratio(ms, base_ms):.2f}")
-      diff = max(float(np.abs(a - b).max())
-                 for a, b in zip(r["grads"], base["grads"]))
-      diff = f"{diff:.3g}"
+      diff = f"{gradient_error(r['grads'], base['grads']):.3g}"
     lines.append(f"{method:<20}{peak:>10.1f}{ratios[0]:>8}{ms:>10.1f}"
-                 f"{_spread(r):>14}{ratios[1]:>8}{diff:>20}"
+                 f"{_spread(r):>14}{ratios[1]:>8}{diff:>12}"
                  f"{1000 * r['first_call_seconds']:>15.1f}"
                  f"{_ms(r.get('trace_seconds')):>10}")
   return "\n".join(lines)
@@ -699,6 +744,37 @@ def _whole_model_names():
   return names
 
 
+def _run_max_batch():
+  """--max_batch: each model's largest batch per method, and its speed."""
+  try:
+    memory = planner.Budget.parse(FLAGS.max_batch).num_bytes
+  except ValueError as e:
+    raise app.UsageError(f"--max_batch: {e}") from e
+  if memory is None:
+    raise app.UsageError("--max_batch takes bytes (\"512MiB\"), not a "
+                         "fraction.")
+  names = [n for n in FLAGS.max_batch_models if n]
+  known = list(max_batch.MODELS) + list(models.APPLICATIONS)
+  unknown = [n for n in names if n not in known]
+  if unknown or FLAGS.sweep or FLAGS.eager or FLAGS.jit or FLAGS.whole_models:
+    raise app.UsageError(
+        f"--max_batch runs in tf.function on {', '.join(known)}"
+        + (f"; unknown: {unknown}" if unknown else "") +
+        "; leave out --sweep, --eager, --jit and --whole_models.")
+  print(environment())
+  print(f"largest batch within {measure.format_bytes(memory)}, tf.function, "
+        f"{FLAGS.steps} timed rounds")
+  rows = []
+  progress = measure.progress_bar(len(names), "model")
+  for name in names:
+    rows += max_batch.measure_model(name, memory, FLAGS.steps, FLAGS.blocks,
+                                    FLAGS.width)
+    if progress is not None:
+      progress.add(1)
+  print(max_batch.format_table(rows, memory))
+  print(max_batch.LEGEND.format(rounds=FLAGS.steps))
+
+
 def normalized_argv(argv):
   """`argv` with every documented spelling made one absl reads.
 
@@ -733,6 +809,9 @@ def main(argv):
   if unknown:
     raise app.UsageError(
         f"Unknown --methods {sorted(unknown)}; choose from {', '.join(METHODS)}.")
+  if FLAGS.max_batch:
+    _run_max_batch()
+    return
   if FLAGS.whole_models:
     names = _whole_model_names()
     budget = (0.5 if FLAGS.budget_fraction is None else

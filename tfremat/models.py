@@ -19,6 +19,7 @@ __all__ = [
     "transformer_block",
     "transformer_parts",
     "transformer_lm",
+    "flat_lm",
     "whole_model",
     "hub_backbone",
     "hub_batch",
@@ -94,6 +95,31 @@ def transformer_lm(vocab, seq_len, width, heads, blocks, dropout, remat,
   for block in stack:
     h = (RematerializationLayer(block) if remat else block)(h)
   return keras.Model(tokens, head(h), name="transformer_lm")
+
+
+def flat_lm(blocks=8, vocab=64, seq_len=128, width=128, heads=4,
+            dropout=0.1, seed=0):
+  """A causal transformer LM written as one functional model of Keras
+  layers, block by block (no block is a model of its own), as users write
+  them: each block is LayerNormalization, causal MultiHeadAttention, a
+  residual add, LayerNormalization, Dense(4 * width, gelu), Dense(width),
+  Dropout and a residual add. Takes token ids of length `seq_len`."""
+  keras.utils.set_random_seed(seed)
+  tokens = keras.Input((seq_len,), dtype="int32")
+  h = keras.layers.Embedding(vocab, width)(tokens)
+  for i in range(blocks):
+    a = keras.layers.LayerNormalization()(h)
+    a = keras.layers.MultiHeadAttention(
+        heads, width // heads, dropout=dropout, seed=2000 + i)(
+            a, a, use_causal_mask=True)
+    h = keras.layers.Add()([h, a])
+    f = keras.layers.LayerNormalization()(h)
+    f = keras.layers.Dense(4 * width, activation="gelu")(f)
+    f = keras.layers.Dense(width)(f)
+    f = keras.layers.Dropout(dropout, seed=3000 + i)(f)
+    h = keras.layers.Add()([h, f])
+  logits = keras.layers.Dense(vocab)(keras.layers.LayerNormalization()(h))
+  return keras.Model(tokens, logits, name="flat_lm")
 
 
 # keras.applications models: name -> (input height and width, batch).
