@@ -17,8 +17,9 @@ import tensorflow as tf
 import tfremat
 from tfremat import chain
 from tfremat import measure
-from conftest import RTOL, assert_parity, assert_trees_close, compile_step
-from conftest import restore, snapshot, to_numpy, training_step
+from conftest import RTOL, assert_one_scale_parity, assert_parity
+from conftest import assert_trees_close, compile_step, restore, snapshot
+from conftest import to_numpy, training_step
 
 pytestmark = pytest.mark.slow
 
@@ -45,19 +46,37 @@ def _model(name):
   return model, x
 
 
+# XLA compiles these models' rematerialized steps in minutes on 2 cores
+# (DenseNet121's in 123 s against 25 s for its plain step): their XLA parity
+# is left to the other three CNNs and to the core suite's XLA cases.
+_XLA_TOO_SLOW = ("DenseNet121", "EfficientNetB0")
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_full_mode_is_exact_and_peaks_below_the_original(name):
   model, x = _model(name)
   full = tfremat.remat_model(model, "full")
   assert any(isinstance(l, tfremat.RematSequential) for l in full.layers)
-  call = lambda remat, h: (full if remat else model)(h, training=True)
-  assert_parity(call, (x,), model.trainable_weights, "function", "/CPU:0",
-                state=model.variables)
-  _assert_xla_within_its_own_rounding(call, x, model)
   # "larger_than" selects the layers with large outputs and groups them as
   # "full" does (alone, they raised MobileNetV2's peak to 1.22x).
   larger = tfremat.remat_model(model, "larger_than", sample_input=x)
-  steps = [chain.training_step(m) for m in (model, full, larger)]
+  variants = (model, full, larger)
+  # One traced step per variant, for both the gradients and the peaks.
+  steps = [compile_step(training_step(
+      lambda h, m=m: m(h, training=True), model.trainable_weights),
+                        "function") for m in variants]
+  state, before = model.variables, snapshot(model.variables)
+  results = []
+  for step in steps[:2]:
+    restore(state, before)
+    results.append((to_numpy(step(x)), snapshot(state)))
+  (expected, expected_state), (actual, actual_state) = results
+  assert_one_scale_parity(actual, expected)
+  assert_trees_close(actual_state, expected_state)
+  restore(state, before)  # The XLA steps start where these did.
+  if name not in _XLA_TOO_SLOW:
+    call = lambda remat, h: (full if remat else model)(h, training=True)
+    _assert_xla_within_its_own_rounding(call, x, model, expected)
   # Alternated, so that none always runs on another's allocator state.
   peaks = [[], [], []]
   for _ in range(2):
@@ -68,7 +87,7 @@ def test_full_mode_is_exact_and_peaks_below_the_original(name):
   assert selected <= original, (name, original, selected)
 
 
-def _assert_xla_within_its_own_rounding(call, x, model):
+def _assert_xla_within_its_own_rounding(call, x, model, in_function):
   """Under XLA the rematerialized step is a different program, which XLA
   fuses differently: its float rounding differs. On DenseNet121 at batch 4
   (BatchNormalization over 16 values in the last blocks) rounding grows
@@ -80,8 +99,9 @@ def _assert_xla_within_its_own_rounding(call, x, model):
   two compilations. State (statistics, seeds) must agree as everywhere."""
   state, grads = model.variables, model.trainable_weights
   before = snapshot(state)
-  found = {}
-  for mode, remat in (("function", False), ("xla", False), ("xla", True)):
+  found = {("function", False): [a for a in tf.nest.flatten(in_function)
+                                 if a is not None]}
+  for mode, remat in (("xla", False), ("xla", True)):
     restore(state, before)
     step = compile_step(training_step(functools.partial(call, remat), grads),
                         mode)

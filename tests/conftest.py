@@ -32,6 +32,20 @@ from tfremat import policies  # pylint: disable=g-import-not-at-top
 TEST_POLICY = os.environ.get("TFREMAT_TEST_POLICY") or None
 
 
+def pytest_collection_modifyitems(config, items):
+  """Under TFREMAT_TEST_POLICY, leaves out the eager cases: policies act in
+  graphs only (an eager call recomputes everything), so those cases are
+  the main suite's own."""
+  if TEST_POLICY is None:
+    return
+  eager = [item for item in items
+           if getattr(item, "callspec", None) is not None and
+           item.callspec.params.get("mode") == "eager"]
+  if eager:
+    config.hook.pytest_deselected(items=eager)
+    items[:] = [item for item in items if item not in eager]
+
+
 @pytest.fixture(autouse=True)
 def _test_policy():
   if TEST_POLICY is None:
