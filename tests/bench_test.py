@@ -232,3 +232,40 @@ def test_a_scheme_beaten_on_both_axes_beyond_the_iqr_is_marked():
   # c: d is smaller and faster beyond both IQRs; e: d too (1.15 < 1.12 is
   # false, so only within noise: not dominated).
   assert by == {"a": "", "b": "", "c": "d", "d": "", "e": ""}
+
+
+@pytest.mark.slow
+def test_max_batch_finds_each_methods_largest_batch_on_a_small_mlp():
+  text = _bench("--max_batch=24MiB", "--max_batch_models=mlp", "--blocks=4",
+                "--width=64", "--steps=2")
+  rows = {}
+  for line in text.splitlines():
+    if line.startswith("mlp ") and "batch" not in line.split(",")[0]:
+      parts = line[14:44].strip(), line[44:].split()
+      if parts[1] and parts[1][0].isdigit():
+        rows[parts[0]] = parts[1]
+  assert {"none", "tf.recompute_grad", "tfremat full",
+          "tfremat planner"} <= set(rows), text
+  assert any(m.startswith("tfremat policy") for m in rows), text
+  batch = {m: int(r[0]) for m, r in rows.items()}
+  peak = {m: float(r[2]) for m, r in rows.items() if batch[m]}
+  # Every batch found peaks within the budget, and rematerializing every
+  # block fits more than keeping everything.
+  assert all(p <= 24.0 for p in peak.values()), rows
+  assert batch["tfremat full"] > batch["none"] > 0, rows
+  assert "keras.RematScope" in text  # A row, or why it fails.
+  assert "examples/s" in text
+
+
+def test_largest_batch_searches_to_one_multiple():
+  # A step's peak grows along a line; the planner's (here: refusing above
+  # 700) need not. The search ends at the largest multiple that fits.
+  linear = lambda b: 1000 + 10 * b
+  batch, probes = bench.max_batch.largest_batch(linear, 6000, 64,
+                                                multiple=8)
+  assert batch == 496 and linear(batch) <= 6000 < linear(batch + 8)
+  assert len(probes) <= 5, probes
+  refusing = lambda b: None if b > 700 else 1000 + b
+  batch, probes = bench.max_batch.largest_batch(refusing, 10**6, 64,
+                                                multiple=8, max_probes=20)
+  assert batch == 696 and len(probes) <= 12, probes

@@ -765,12 +765,10 @@ def _run_max_batch():
   print(f"largest batch within {measure.format_bytes(memory)}, tf.function, "
         f"{FLAGS.steps} timed rounds")
   rows = []
-  progress = measure.progress_bar(len(names), "model")
   for name in names:
-    rows += max_batch.measure_model(name, memory, FLAGS.steps, FLAGS.blocks,
-                                    FLAGS.width)
-    if progress is not None:
-      progress.add(1)
+    rows += max_batch.measure_model(
+        name, memory, FLAGS.steps, FLAGS.blocks, FLAGS.width,
+        log=lambda line: print(line, flush=True))
   print(max_batch.format_table(rows, memory))
   print(max_batch.LEGEND.format(rounds=FLAGS.steps))
 

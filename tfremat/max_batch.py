@@ -96,9 +96,10 @@ def largest_batch(peak_at, memory_bytes, first, multiple=1, max_probes=10):
 
 def _next_probe(probes, low, high, memory_bytes, multiple):
   """Where the line through the two measured probes nearest the budget
-  meets it, kept in the middle half of (`low`, `high`), so that every probe
-  narrows the search by a quarter at least (a planner's peaks do not grow
-  along a line)."""
+  meets it, if that lies between `low` and `high`; else twice `low` (no
+  batch known not to fit yet) or the middle. Where the line misleads (a
+  planner's peaks do not grow along one; a budget it refuses), the search
+  halves the interval instead."""
   measured = sorted((b for b, p in probes.items() if p is not None),
                     key=lambda b: abs(probes[b] - memory_bytes))[:2]
   guess = None
@@ -106,15 +107,15 @@ def _next_probe(probes, low, high, memory_bytes, multiple):
     (b1, b2) = measured
     slope = (probes[b2] - probes[b1]) / (b2 - b1)
     if slope > 0:
-      guess = b1 + (memory_bytes - probes[b1]) / slope
+      guess = int(b1 + (memory_bytes - probes[b1]) / slope)
   if high is None:
-    lo, hi = 1.25 * low, 4 * max(low, multiple)
-  else:
-    lo, hi = low + (high - low) / 4, high - (high - low) / 4
-  guess = min(max(guess if guess is not None else (lo + hi) / 2, lo), hi)
-  guess = int(guess) // multiple * multiple
-  if high is not None and not low < guess < high:
-    guess = (low + high) // 2 // multiple * multiple
+    guess = 2 * low if guess is None else min(guess, 4 * max(low, multiple))
+    guess = max(guess // multiple * multiple, low + multiple)
+  elif guess is None or not low < guess < high:
+    guess = (low + high) // 2
+  if high is not None:
+    guess = min(max(guess // multiple * multiple, low + multiple),
+                high - multiple)
   return max(multiple, guess)
 
 
@@ -294,10 +295,11 @@ def _reason(error):
 
 
 def measure_model(name, memory_bytes, rounds=5, blocks=None, width=None,
-                  progress=None):
+                  log=None):
   """Rows for model `name`: each method's largest batch within
   `memory_bytes` and its examples per second there. Of the save policies,
-  the one with the largest batch is kept (ties: the fastest)."""
+  the one with the largest batch is kept (ties: the fastest). `log`, if
+  given, is called with a line as each method's search ends."""
   rows = []
   with chain.retracing_quiet(), warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -317,8 +319,9 @@ def measure_model(name, memory_bytes, rounds=5, blocks=None, width=None,
       if batch:
         row["step"], row["inputs"] = cache[batch]
       rows.append(row)
-      if progress is not None:
-        progress.add(1)
+      if log is not None:
+        log(f"{name}, {method.name}: batch {batch} ({len(probes)} probes, "
+            f"{row['search_seconds']:.0f} s) {row['note']}".rstrip())
   _time_rows([r for r in rows if r["batch"]], rounds)
   return _best_policy(rows)
 
