@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+import api_reference
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 
@@ -55,3 +57,41 @@ def test_snippet_runs_as_written(code, output, tmp_path):
   if output is not None:
     assert _prints(output, done.stdout), (
         f"printed:\n{done.stdout}\nthe page shows:\n{output}")
+
+
+def test_the_api_reference_is_current():
+  # docs/api.md is written from the docstrings by tests/api_reference.py;
+  # a public name or docstring changed without it fails here.
+  assert api_reference.PAGE.read_text() == api_reference.page(), (
+      "docs/api.md is out of date: run python tests/api_reference.py")
+
+
+def test_the_api_reference_lists_every_public_name():
+  import tfremat  # pylint: disable=import-outside-toplevel
+  from tfremat import lingvo  # pylint: disable=import-outside-toplevel
+  text = api_reference.PAGE.read_text()
+  for prefix, module in (("tfremat.", tfremat), ("tfremat.lingvo.", lingvo)):
+    missing = [n for n in module.__all__ if f"### `{prefix}{n}`" not in text]
+    assert not missing, missing
+
+
+_CITED = re.compile(
+    r"`(?:tfremat\.)?((?:planner|chain|measure|policies|errors|lingvo|models|"
+    r"max_batch|bench)(?:\.[A-Za-z_]\w*)+)")
+
+
+def test_every_code_name_the_docs_cite_exists():
+  # A renamed or removed function, constant or module named in the docs
+  # (`planner.ALLOCATOR_MARGIN`, `tfremat.chain.measure_chain`) fails here.
+  import importlib  # pylint: disable=import-outside-toplevel
+  missing = []
+  for page in PAGES + [ROOT / "CONTRIBUTING.md"]:
+    for name in sorted(set(_CITED.findall(page.read_text()))):
+      parts = name.split(".")
+      obj = importlib.import_module(f"tfremat.{parts[0]}")
+      try:
+        for part in parts[1:]:
+          obj = getattr(obj, part)
+      except AttributeError:
+        missing.append(f"{page.name}: {name}")
+  assert not missing, missing

@@ -279,6 +279,7 @@ class InstantiableParams(Params):
 
 
 def IsInstantiable(params):
+  """Whether `params` are `InstantiableParams` (have `Instantiate()`)."""
   return isinstance(params, InstantiableParams)
 
 
