@@ -306,10 +306,14 @@ def measure_model(name, memory_bytes, rounds=5, blocks=None, width=None,
     for method in methods(name, memory_bytes, blocks, width):
       cache, note = {}, ""
       start = time.perf_counter()
+      first = _FIRST.get(name, 8)
+      if method.name == "tfremat planner":
+        # Each of its probes plans anew: start where full remat ended.
+        first = max([r["batch"] for r in rows
+                     if r["method"] == "tfremat full"] + [first])
       try:
         batch, probes = largest_batch(_peak_at(method, cache), memory_bytes,
-                                      _FIRST.get(name, 8),
-                                      _MULTIPLE.get(name, 2))
+                                      first, _MULTIPLE.get(name, 2))
       except _Failed as e:
         batch, probes, note = 0, {}, str(e)
       row = {"model": name, "method": method.name, "batch": batch,
