@@ -685,3 +685,28 @@ def test_an_ordered_chain_leaves_graph_optimizations_on(tmp_path):
                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0"))
   assert "optimization failure" not in done.stderr, done.stderr[-2000:]
   assert done.stdout.split()[-1] == "0"  # No power op waits on another.
+
+
+def test_the_planner_takes_policies_by_value_and_a_users_own():
+  # A policy is a value to the planner as to everything else: a built-in's
+  # value is measured as its name is (the same costs, under the same key),
+  # and a user's policy (a `|` combination) is planned with, run, and saved.
+  blocks, x = _chain("transformer")
+  value = tfremat.policies.masks_saveable
+  by_name, by_value = (chain.measure_layer(blocks[0], x, repeats=1,
+                                           policies=p)[0]
+                       for p in (["masks_saveable"], [value]))
+  assert by_value.policy_costs.keys() == by_name.policy_costs.keys()
+  assert by_value.policy_keeps == by_name.policy_keeps
+  mine = (tfremat.policies.dots_with_no_batch_dims_saveable |
+          tfremat.policies.save_only_these_names("attention_scores"))
+  layer = tfremat.remat_sequential(blocks, budget=0.5, sample_input=x,
+                                   verbose=0, policies=[mine])
+  assert list(layer.plan.costs[0].policy_costs) == [mine.name]
+  used = [s.policy for s in layer.segments if s.remat and s.policy]
+  assert all(p == mine for p in used), layer.segments
+  assert_parity(lambda remat, h: (layer if remat else keras.Sequential(
+      blocks))(h, training=True), (x,), layer.trainable_weights, "function",
+                "/CPU:0", state=layer.variables)
+  again = tfremat.RematSequential.from_config(layer.get_config())
+  assert again.segments == layer.segments

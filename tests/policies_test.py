@@ -506,11 +506,12 @@ def test_bad_policies_are_refused_before_anything_runs(bad, error, match):
     tfremat.checkpoint_name(tf.ones([1]), "")
 
 
-def test_planner_policies_must_be_named_built_ins():
+def test_planner_policies_must_be_policies():
   blocks = [keras.layers.Dense(2)]
-  with pytest.raises(ValueError, match="Choose from"):
-    tfremat.remat_sequential(blocks, budget="50%", sample_input=tf.ones([1, 2]),
-                             policies=["dots"])
+  for bad in (["dots"], [3], [tfremat.policies.nothing_saveable]):
+    with pytest.raises(ValueError, match="Choose from"):
+      tfremat.remat_sequential(blocks, budget="50%",
+                               sample_input=tf.ones([1, 2]), policies=bad)
   with pytest.raises(ValueError, match="policies="):
     tfremat.remat_sequential(blocks, budget="50%", sample_input=tf.ones([1, 2]),
                              policy="dots_saveable")

@@ -717,6 +717,31 @@ def test_larger_than_groups_a_cnns_selected_layers_exactly():
   _assert_exact(model, larger, x)
 
 
+@pytest.mark.parametrize("given", ["value", "user"])
+def test_a_policy_value_groups_a_cnn_as_its_name_does(given, tmp_path):
+  # A policy is a value wherever it is given: tfremat.policies.dots_saveable
+  # groups as "dots_saveable" does, and so does a user's policy (a `|`
+  # combination with save_only_these_names); the model saves and loads.
+  model = _conv_chain()
+  x = tf.random.stateless_normal([4, 32, 32, 3], seed=[1, 2])
+  by_name = remat_model(model, "full", policy="dots_saveable")
+  policy = (tfremat.policies.dots_saveable if given == "value" else
+            tfremat.policies.dots_saveable |
+            tfremat.policies.save_only_these_names("unused"))
+  by_value = remat_model(model, "full", policy=policy)
+  (named,), (valued,) = by_name.layers[1:], by_value.layers[1:]
+  assert isinstance(valued, tfremat.RematSequential)
+  assert valued.segments == named.segments
+  assert all(tfremat.policies.get(step.policy) == policy for step in valued.steps
+             if isinstance(step, tfremat.RematerializationLayer))
+  _assert_exact(model, by_value, x)
+  path = tmp_path / "m.keras"
+  by_value.save(path)
+  loaded = keras.models.load_model(path)
+  assert tfremat.policies.get(loaded.layers[1].policy) == policy
+  assert_trees_close(loaded(x), model(x))
+
+
 def _assert_exact(model, rematerialized, x):
   assert_parity(
       lambda remat, h: (rematerialized if remat else model)(h, training=True),

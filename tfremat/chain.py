@@ -162,8 +162,8 @@ class RematSequential(keras.layers.Layer):
     layers: the chain's Keras layers, each taking the previous one's output,
       or a `keras.Sequential` of them.
     segments: `(start, stop, remat)` triples covering the chain in order,
-      or `(start, stop, remat, policy)` with a built-in save policy's name
-      (`tfremat.policies`) for a rematerialized segment, or `(start, stop,
+      or `(start, stop, remat, policy)` with a save policy (a built-in's
+      name or a `tfremat.policies` value) for a rematerialized segment, or `(start, stop,
       True, policy, True)` (policy may be None) for a nested one: its
       layers' own layers are rematerialized inside its rerun
       (`tfremat.planner.Segment`).
@@ -450,10 +450,11 @@ def remat_sequential(layers, segments=None, budget=None, sample_input=None,
       nothing.
     policy: with `segments`, the save policy (`tfremat.policies`) every
       rematerialized segment runs under.
-    policies: with `budget`, the built-in save policies' names the planner
-      may choose for each rematerialized segment, besides recomputing
-      everything (default: `tfremat.policies.PLANNED`; () for none). Each is
-      measured on every layer.
+    policies: with `budget`, the save policies the planner may choose for
+      each rematerialized segment, besides recomputing everything: built-in
+      names or `tfremat.policies` values, your own included (default:
+      `tfremat.policies.PLANNED`; () for none). Each is measured on every
+      layer.
 
   Returns:
     A `RematSequential` layer; `.plan` holds the planner's Plan when a budget
@@ -487,24 +488,42 @@ def remat_sequential(layers, segments=None, budget=None, sample_input=None,
         "layers on.")
   chosen = checked_plan(layers, budget, sample_input, verbose=verbose,
                         policies=policies)
-  return RematSequential(layers, chosen.segments, plan=chosen,
+  return RematSequential(layers, segments_with(chosen.segments, policies),
+                         plan=chosen,
                          ordered=chosen.ordered)
 
 
-def planned_policies(names):
-  """`names` as a tuple of built-in policy names; TypeError/ValueError."""
-  if isinstance(names, str):
-    names = (names,)
-  names = tuple(names)
-  bad = [n for n in names if not isinstance(n, str) or
-         n not in policies_lib.BUILT_IN or policies_lib.is_nothing(n)]
+def planned_policies(policies):
+  """`policies` as a tuple, each a built-in's name or a policy value
+  (`tfremat.policies`), with distinct names (`tfremat.policies.name_of`,
+  the key of a layer's costs under it); TypeError/ValueError."""
+  if isinstance(policies, str) or callable(policies):
+    policies = (policies,)
+  policies = tuple(policies)
+  bad = [p for p in policies if
+         (isinstance(p, str) and p not in policies_lib.BUILT_IN) or
+         not (isinstance(p, str) or callable(p)) or policies_lib.is_nothing(p)]
   if bad:
     raise errors.InvalidArgumentError(
-        f"The planner chooses among built-in save policies, named; got "
-        f"{bad!r}. Choose from the built-ins other than nothing_saveable "
-        f"(default: {list(policies_lib.PLANNED)}); recomputing everything is "
-        "always among the choices.")
-  return names
+        f"The planner chooses among save policies; got {bad!r}. Choose "
+        f"from the built-ins' names or tfremat.policies values (your own "
+        f"included) other than nothing_saveable (default: "
+        f"{list(policies_lib.PLANNED)}); recomputing everything is always "
+        "among the choices.")
+  names = [policies_lib.name_of(p) for p in policies]
+  if len(set(names)) < len(names):
+    raise errors.InvalidArgumentError(
+        f"The planner's policies need distinct names; got {names}.")
+  return policies
+
+
+def segments_with(segments, policies):
+  """`segments` (a Plan's, whose policies are names: the keys of the
+  layers' costs) with each name replaced by the policy in `policies` it
+  names, so that a user's policy runs as itself."""
+  by_name = {policies_lib.name_of(p): p for p in policies}
+  return [dataclasses.replace(s, policy=by_name.get(s.policy, s.policy))
+          for s in segments]
 
 
 def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
@@ -522,7 +541,7 @@ def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
     rounds: how many plans to measure at most.
     costs: `measure_chain(layers, sample_input)`, if already known.
     verbose: 1 shows a progress bar over the measurements.
-    policies: built-in save policies' names the planner may choose for a
+    policies: save policies (names or values) the planner may choose for a
       rematerialized segment (measured on each layer unless `costs` is
       given).
 
@@ -554,7 +573,8 @@ def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
   progress = measure.progress_bar(steps, "measurement", verbose)
 
   def measured_peak(segments, ordered=PLANNED_ORDER, **kwargs):
-    peaks = measure_peaks(RematSequential(layers, segments, ordered=ordered),
+    peaks = measure_peaks(RematSequential(
+        layers, segments_with(segments, policies), ordered=ordered),
                           sample_input, calls=CHECK_CALLS, **kwargs)
     if progress is not None:
       progress.add(1)
@@ -740,7 +760,8 @@ def measure_layer(layer, x, repeats=5, policies=()):
   (usually more than a traced function keeps: 3x on a Conv2D,
   BatchNormalization and ReLU block).
 
-  For each save policy named in `policies`, what the layer keeps when
+  For each save policy in `policies` (names or values; the costs are keyed
+  by `tfremat.policies.name_of`), what the layer keeps when
   rematerialized under it is read from one traced forward pass (as
   `tfremat.saved_residuals` lists it), and what rematerializing it costs is
   the measured time of its training step so rematerialized, less that of
@@ -770,9 +791,12 @@ def measure_layer(layer, x, repeats=5, policies=()):
     del tape, held
   saved = max(0, saved)
   fwd_peak = measure.peak_bytes(forward, x)
+  # Keyed by name (`tfremat.policies.name_of`): a Plan's segments name
+  # their policies, and its config is JSON.
+  policies = {policies_lib.name_of(p): p for p in policies}
   kept, keeps, first_alike, empty = {}, {}, {}, set()
   for p, found in zip(policies, residuals.policy_residuals(
-      lambda h: layer(h, training=True), x, among=policies)):
+      lambda h: layer(h, training=True), x, among=policies.values())):
     kept[p] = found.total_bytes
     keeps[p] = _kinds_kept(found)
     alike = tuple((r.what.split()[0], r.shape, r.dtype) for r in found)
@@ -782,8 +806,8 @@ def measure_layer(layer, x, repeats=5, policies=()):
       # it costs what that costs (the forward time), untimed.
       empty.add(p)
   timed = [p for p in policies if first_alike[p] == p and p not in empty]
-  policy_steps = [training_step(RematerializationLayer(layer, policy=p))
-                  for p in timed]
+  policy_steps = [training_step(RematerializationLayer(
+      layer, policy=policies[p])) for p in timed]
   fwd_s, both_s, *policy_s = measure.median_seconds(
       [forward, once] + policy_steps, x, repeats=repeats)
   seconds = dict(zip(timed, policy_s))
@@ -901,7 +925,7 @@ def structure_key(layer, x, policies=()):
                   for w in layer.weights)
   inputs = tuple((tuple(t.shape), str(t.dtype)) for t in tf.nest.flatten(x))
   return (type(layer).__module__, type(layer).__qualname__, scrub(config),
-          weights, inputs, tuple(policies))
+          weights, inputs, tuple(policies_lib.name_of(p) for p in policies))
 
 
 # What a layer's recompute costs beyond its forward time when it is not the
@@ -939,8 +963,8 @@ def measure_chain(layers, sample_input, repeats=5, progress=None,
   proportion to its forward time.
 
   `progress`, a Keras Progbar if given, advances by one per layer (and one
-  for the timing of waiting recomputes). `policies` are built-in save
-  policies' names to measure each layer under (`measure_layer`).
+  for the timing of waiting recomputes). `policies` are the save policies
+  (names or values) to measure each layer under (`measure_layer`).
   """
   advance = progress.add if progress is not None else lambda _: None
   costs, x, measured = [], tf.convert_to_tensor(sample_input), {}

@@ -34,6 +34,7 @@ import numpy as np
 
 from tfremat import errors
 from tfremat import measure
+from tfremat import policies as policies_lib
 
 __all__ = [
     "Measured",
@@ -198,8 +199,9 @@ class LayerCost:
 class Segment:
   """Layers [start, stop) of the chain, rematerialized or kept.
 
-  `policy` names the built-in save policy a rematerialized segment runs
-  under (`tfremat.policies`), or is None: everything is recomputed.
+  `policy` is the save policy a rematerialized segment runs under
+  (`tfremat.policies`: a built-in's name, or a policy value such as
+  `save_only_these_names(...)`), or None: everything is recomputed.
   `nested`, for a rematerialized segment: each of its layers' own layers
   (one level down, as `tfremat.remat_in_place(..., nested=True)` takes them;
   for a unit that wraps one layer, that layer's: `tfremat.chain.nest_target`)
@@ -210,16 +212,23 @@ class Segment:
   start: int
   stop: int
   remat: bool
-  policy: str = None
+  policy: object = None
   nested: bool = False
 
+  def __post_init__(self):
+    if isinstance(self.policy, dict):  # A policy's config, as saved.
+      object.__setattr__(self, "policy",
+                         policies_lib.deserialize(self.policy))
+
   def as_list(self):
-    """[start, stop, remat], then the policy if one is named, and True if
-    nested (after the policy, None if there is none)."""
+    """[start, stop, remat], then the policy (`tfremat.policies.serialize`)
+    if there is one, and True if nested (after the policy, None if there
+    is none): JSON-able."""
     items = [self.start, self.stop, self.remat]
+    policy = policies_lib.serialize(self.policy)
     if self.nested:
-      return items + [self.policy, True]
-    return items + [self.policy] if self.policy else items
+      return items + [policy, True]
+    return items + [policy] if policy is not None else items
 
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10,

@@ -227,7 +227,8 @@ def remat_model(model, mode="full", output_size_threshold=1024,
       measured step runs in every replica on all of it). With
       mode="larger_than", a batch on which outputs are sized (one inference
       call); without it, an unknown dimension counts as 1.
-    policies: with `budget`, the save policies the planner may choose.
+    policies: with `budget`, the save policies the planner may choose
+      (built-in names or `tfremat.policies` values, your own included).
     verbose: with `budget`, 1 shows a progress bar while measuring.
 
   Returns:
@@ -550,8 +551,6 @@ def _grouped(model, policy, choose=None):
   of those segments. A unit is chosen when the layer computing its output
   is. None when no segment would have two units: each layer is then
   rematerialized on its own."""
-  if policy is not None and not isinstance(policy, str):
-    return None  # A RematSequential segment's policy is a built-in's name.
   parts = _ModelChain.of(model)
   if isinstance(parts, int):
     return None
@@ -798,7 +797,8 @@ def _planned(model, budget, sample_input, policy_names, verbose, mode,
     if isinstance(unit, chain_lib.ContextUnit):
       unit.sample_context = None  # Not kept alive by the model.
   return parts.model_with(chain_lib.RematSequential(
-      units, chosen.segments, plan=chosen,
+      units, chain_lib.segments_with(chosen.segments, policy_names),
+      plan=chosen,
       ordered=chosen.ordered, name=f"{model.name}_chain"))
 
 
