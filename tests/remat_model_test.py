@@ -732,7 +732,8 @@ def test_a_policy_value_groups_a_cnn_as_its_name_does(given, tmp_path):
   (named,), (valued,) = by_name.layers[1:], by_value.layers[1:]
   assert isinstance(valued, tfremat.RematSequential)
   assert valued.segments == named.segments
-  assert all(tfremat.policies.get(step.policy) == policy for step in valued.steps
+  assert all(tfremat.policies.get(step.policy) == policy
+             for step in valued.steps
              if isinstance(step, tfremat.RematerializationLayer))
   _assert_exact(model, by_value, x)
   path = tmp_path / "m.keras"

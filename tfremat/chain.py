@@ -163,8 +163,9 @@ class RematSequential(keras.layers.Layer):
       or a `keras.Sequential` of them.
     segments: `(start, stop, remat)` triples covering the chain in order,
       or `(start, stop, remat, policy)` with a save policy (a built-in's
-      name or a `tfremat.policies` value) for a rematerialized segment, or `(start, stop,
-      True, policy, True)` (policy may be None) for a nested one: its
+      name or a `tfremat.policies` value) for a rematerialized segment,
+      or `(start, stop, True, policy, True)` (policy may be None) for a
+      nested one: its
       layers' own layers are rematerialized inside its rerun
       (`tfremat.planner.Segment`).
     plan: the planner's `Plan` that chose the segments, if it did; kept in
