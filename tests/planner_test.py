@@ -584,12 +584,13 @@ def test_plan_printout_compares_measured_with_measured_and_says_which():
   # measured one (below it) and named two different "no remat" peaks.
   costs = random_costs(np.random.default_rng(7), 4)
   segments = planner.uniform_segments(4, 2)
-  chosen = planner.Plan(costs, segments)
-  chosen.budget_bytes = int(0.9 * chosen.peak_bytes)  # Model: over.
-  chosen.budget = planner.Budget.parse(0.4)
-  peak = int(0.8 * chosen.peak_bytes)  # Measured: in.
-  chosen.measured = planner.Measured(peak, peak + 10, 15)
-  chosen.measured_keep = planner.Measured(2 * peak, 2 * peak, 15)
+  model = planner.Plan(costs, segments)
+  peak = int(0.8 * model.peak_bytes)  # Measured: in.
+  chosen = model.replace(
+      budget_bytes=int(0.9 * model.peak_bytes),  # Model: over.
+      budget=planner.Budget.parse(0.4),
+      measured=planner.Measured(peak, peak + 10, 15),
+      measured_keep=planner.Measured(2 * peak, 2 * peak, 15))
   summary = str(chosen).splitlines()[5:]
   assert summary[0].startswith("budget") and "40% of the measured peak" in summary[0]
   assert summary[1].startswith("measured peak")
@@ -601,8 +602,14 @@ def test_plan_printout_compares_measured_with_measured_and_says_which():
   assert summary[4].startswith("cost model's time")
   assert "\n".join(summary[5:]) == planner.LEGEND
   assert "no remat" not in str(chosen)
-  chosen.measured = planner.Measured(peak, chosen.budget_bytes + 1, 15)
+  chosen = chosen.replace(
+      measured=planner.Measured(peak, chosen.budget_bytes + 1, 15))
   assert "over the budget" in str(chosen)
+  # A Plan is a value: it is changed only by making another.
+  with pytest.raises(AttributeError, match="replace"):
+    chosen.measured = None
+  with pytest.raises(ValueError, match="Plan.replace takes"):
+    chosen.replace(peak_bytes=0)
   again = planner.Plan.from_config(chosen.get_config())
   assert str(again) == str(chosen)
 

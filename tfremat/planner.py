@@ -551,20 +551,42 @@ class Plan:
     ordered: whether the chain runs ordered (`RematSequential(...,
       ordered=True)`): the planner orders a plan only where no unordered
       plan it measured fits.
+
+  A Plan is a value: its attributes cannot be set; `replace` makes a new
+  one with some changed.
   """
 
   def __init__(self, costs, segments, budget_bytes=None, budget=None,
-               ordered=False):
-    self.costs = list(costs)
-    self.segments = list(segments)
-    self.budget_bytes = budget_bytes
-    self.budget = budget
-    self.ordered = bool(ordered)
-    self.peak_bytes, self.seconds = predict(costs, segments)
-    self.measured = None
-    self.measured_keep = None
-    self.baseline_peak_bytes, self.baseline_seconds = predict(
-        costs, keep_all(len(costs)))
+               ordered=False, measured=None, measured_keep=None):
+    peak_bytes, seconds = predict(costs, segments)
+    baseline = predict(costs, keep_all(len(costs)))
+    for name, value in (
+        ("costs", list(costs)), ("segments", list(segments)),
+        ("budget_bytes", budget_bytes), ("budget", budget),
+        ("ordered", bool(ordered)), ("peak_bytes", peak_bytes),
+        ("seconds", seconds), ("measured", measured),
+        ("measured_keep", measured_keep),
+        ("baseline_peak_bytes", baseline[0]),
+        ("baseline_seconds", baseline[1])):
+      object.__setattr__(self, name, value)
+
+  def __setattr__(self, name, value):
+    raise dataclasses.FrozenInstanceError(
+        f"A Plan is a value: use plan.replace({name}=...) for one with "
+        f"another {name}.")
+
+  def replace(self, **changes):
+    """A new Plan like this one, with `changes` (any of `__init__`'s
+    arguments but `costs`) made."""
+    given = dict(segments=self.segments, budget_bytes=self.budget_bytes,
+                 budget=self.budget, ordered=self.ordered,
+                 measured=self.measured, measured_keep=self.measured_keep)
+    unknown = set(changes) - set(given)
+    if unknown:
+      raise errors.InvalidArgumentError(
+          f"Plan.replace takes {sorted(given)}; got {sorted(unknown)}.")
+    given.update(changes)
+    return Plan(self.costs, **given)
 
   @property
   def measured_peak_bytes(self):
@@ -598,15 +620,13 @@ class Plan:
   @classmethod
   def from_config(cls, config):
     budget = config.get("budget")
-    result = cls([LayerCost(**c) for c in config["costs"]],
-                 [Segment(*s) for s in config["segments"]],
-                 config.get("budget_bytes"),
-                 Budget(**budget) if budget else None,
-                 config.get("ordered", False))
-    for name in ("measured", "measured_keep"):
-      if config.get(name):
-        setattr(result, name, Measured(**config[name]))
-    return result
+    measured = {name: Measured(**config[name])
+                for name in ("measured", "measured_keep") if config.get(name)}
+    return cls([LayerCost(**c) for c in config["costs"]],
+               [Segment(*s) for s in config["segments"]],
+               config.get("budget_bytes"),
+               Budget(**budget) if budget else None,
+               config.get("ordered", False), **measured)
 
   def _layer_rows(self):
     mib = measure.format_bytes
@@ -777,7 +797,8 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4, nestable=None,
   """
   budget = Budget.parse(budget)
   keep = Plan(costs, keep_all(len(costs)))
-  keep.measured = Measured.with_margin(measured_peak(keep.segments))
+  keep = keep.replace(measured=Measured.with_margin(
+      measured_peak(keep.segments)))
   budget_bytes = budget.bytes_given(keep.measured.peak_bytes)
   error = gradients_floor_error(budget, keep.measured, gradient_bytes)
   if error is not None:
@@ -787,9 +808,8 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4, nestable=None,
   chosen = _calibrated(costs, keep, budget, budget_bytes,
                        lambda s: Measured.with_margin(measured_peak(s)),
                        rounds, nestable, ordered)
-  chosen.budget, chosen.budget_bytes = budget, budget_bytes
-  chosen.measured_keep = keep.measured
-  return chosen
+  return chosen.replace(budget=budget, budget_bytes=budget_bytes,
+                        measured_keep=keep.measured)
 
 
 def _calibrated(costs, keep, budget, budget_bytes, measured_peak, rounds,
@@ -811,7 +831,7 @@ def _calibrated(costs, keep, budget, budget_bytes, measured_peak, rounds,
   for _ in range(rounds):
     try:
       chosen = plan(costs, target)
-    except ValueError:
+    except _Infeasible:
       # Below the model's floor: the plan it predicts to peak lowest is the
       # last worth measuring, and is measured before refusing (on CNNs the
       # model's error is large: plans above it measured over budget where
@@ -825,7 +845,7 @@ def _calibrated(costs, keep, budget, budget_bytes, measured_peak, rounds,
     if (fastest is not None and
         chosen.seconds > fastest - FASTER_BY * keep.seconds):
       break  # Not worth measuring: too little faster than one that fits.
-    chosen.measured = measured_peak(chosen.segments)
+    chosen = chosen.replace(measured=measured_peak(chosen.segments))
     tried[key] = chosen
     # Recalibrate: the target at which the model's peak, scaled by this
     # plan's measured bound / predicted peak (less margin), meets the aim.
@@ -867,8 +887,8 @@ def _lowest_fitting(costs, tried, keep, budget_bytes, measured_peak, floor,
       key = (tuple(segments), ordered) if ordered else tuple(segments)
       if key in tried:
         continue
-      tried[key] = Plan(costs, segments, ordered=ordered)
-      tried[key].measured = measure_it(segments)
+      tried[key] = Plan(costs, segments, ordered=ordered,
+                        measured=measure_it(segments))
       fitting = _fitting(tried, keep, budget_bytes)
       if fitting:
         return fitting
@@ -993,11 +1013,15 @@ def plan(costs, budget_bytes):
   return Plan(costs, segments, budget_bytes)
 
 
+class _Infeasible(errors.InvalidArgumentError):
+  """No plan the cost model predicts fits the budget (`plan`)."""
+
+
 def infeasible_budget_error(budget_bytes, need, estimated_by=None):
   """The ValueError for a budget below `need`, the smallest that works
   (`estimated_by`: how `need` was estimated, if not by the model alone)."""
   about, how = ("about ", f", {estimated_by}") if estimated_by else ("", "")
-  return errors.InvalidArgumentError(
+  return _Infeasible(
       f"No rematerialization plan fits a budget of {budget_bytes} bytes "
       f"({budget_bytes / 2**20:.1f} MiB); the smallest budget that works for "
       f"this chain is {about}{need} bytes ({need / 2**20:.1f} MiB){how}. "

@@ -552,7 +552,7 @@ def _grouped(model, policy, choose=None):
   is. None when no segment would have two units: each layer is then
   rematerialized on its own."""
   parts = _ModelChain.of(model)
-  if isinstance(parts, int):
+  if parts is None:
     return None
   chosen = None
   if choose is not None:
@@ -777,9 +777,9 @@ def _planned(model, budget, sample_input, policy_names, verbose, mode,
     raise errors.InvalidArgumentError("remat_model: budget needs sample_input, a batch like "
                      "those the model trains on.")
   parts = _ModelChain.of(model)
-  if isinstance(parts, int):
+  if parts is None:
     raise errors.InvalidArgumentError(
-        f"remat_model: {model.name} has {parts} part(s) between "
+        f"remat_model: {model.name} has fewer than two parts between "
         "tensors that every path from its inputs to its outputs passes "
         "through, so there is nothing for a budget to choose between. Give "
         "mode= instead (\"full\" rematerializes its layers one by one).")
@@ -836,13 +836,12 @@ class _ModelChain:
 
   @classmethod
   def of(cls, model):
-    """The model's chain, or (the number of units, 0 or 1) when it has
-    fewer than two."""
+    """The model's chain, or None when it has fewer than two units."""
     cuts, units, context = _chain_parts(model)
     start = next((i for i, t in enumerate(cuts)
                   if keras.backend.is_float_dtype(t.dtype)), len(cuts))
     if len(units) - start < 2:
-      return max(0, len(units) - start)
+      return None
     return cls(model, cuts[start:], units[start:], context)
 
   def model_with(self, chain):
