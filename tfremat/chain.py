@@ -794,10 +794,10 @@ def measure_layer(layer, x, repeats=5, policies=()):
   fwd_peak = measure.peak_bytes(forward, x)
   # Keyed by name (`tfremat.policies.name_of`): a Plan's segments name
   # their policies, and its config is JSON.
-  policies = {policies_lib.name_of(p): p for p in policies}
+  by_name = {policies_lib.name_of(p): p for p in policies}
   kept, keeps, first_alike, empty = {}, {}, {}, set()
-  for p, found in zip(policies, residuals.policy_residuals(
-      lambda h: layer(h, training=True), x, among=policies.values())):
+  for p, found in zip(by_name, residuals.policy_residuals(
+      lambda h: layer(h, training=True), x, among=by_name.values())):
     kept[p] = found.total_bytes
     keeps[p] = _kinds_kept(found)
     alike = tuple((r.what.split()[0], r.shape, r.dtype) for r in found)
@@ -806,16 +806,16 @@ def measure_layer(layer, x, repeats=5, policies=()):
       # Keeping nothing of this layer, it runs a full recompute's program:
       # it costs what that costs (the forward time), untimed.
       empty.add(p)
-  timed = [p for p in policies if first_alike[p] == p and p not in empty]
+  timed = [p for p in by_name if first_alike[p] == p and p not in empty]
   policy_steps = [training_step(RematerializationLayer(
-      layer, policy=policies[p])) for p in timed]
+      layer, policy=by_name[p])) for p in timed]
   fwd_s, both_s, *policy_s = measure.median_seconds(
       [forward, once] + policy_steps, x, repeats=repeats)
   seconds = dict(zip(timed, policy_s))
   policy_costs = {
       p: ([0, fwd_s] if p in empty else
           [kept[p], max(0.0, seconds[first_alike[p]] - both_s)])
-      for p in policies}
+      for p in by_name}
   cost = planner.LayerCost(
       name=layer.name,
       forward_seconds=fwd_s,
