@@ -44,9 +44,7 @@ _GRAD_ERROR, _FIRST_CALL, _TRACE = -3, -2, -1
 
 @pytest.mark.parametrize("mode", [
     pytest.param([], id="function"), pytest.param(["--eager"], id="eager"),
-    # Slow on 2 cores: CI runs it in its second stage (pytest -m slow).
-    pytest.param(["--policy=dots_saveable"], id="policy",
-                 marks=pytest.mark.slow)])
+    pytest.param(["--policy=dots_saveable"], id="policy")])
 def test_methods_table_shows_tfremat_exact_and_recompute_grad_wrong(mode):
   text = _bench(*_SMALL, *mode)
   assert ("eager," if mode == ["--eager"] else "tf.function,") in text
@@ -70,8 +68,6 @@ def test_methods_table_shows_tfremat_exact_and_recompute_grad_wrong(mode):
   assert "TensorFlow 2." in text and "Keras 3." in text and "CPUs" in text
 
 
-# Slow on 2 cores: CI runs it in its second stage (pytest -m slow).
-@pytest.mark.slow
 def test_sweep_writes_table_csv_and_plot(tmp_path):
   # [5]: a bare --plot (as documented) draws to its default file.
   out_csv, out_png = tmp_path / "s.csv", tmp_path / "sweep.png"

@@ -360,10 +360,7 @@ def test_a_policy_keeping_nothing_of_a_layer_costs_a_full_recompute(
   assert cost.policy_keeps["masks_saveable"] == "nothing"
 
 
-@pytest.mark.parametrize("model", [
-    "mlp",
-    # Slow on 2 cores: CI runs it in its second stage (pytest -m slow).
-    pytest.param("transformer", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("model", ["mlp", "transformer"])
 def test_budgets_hold_when_measured(model):
   blocks, x = _chain(model)
   keep = planner.keep_all(len(blocks))
@@ -672,7 +669,6 @@ print(sum(len(op.control_inputs) for op in
 """
 
 
-@pytest.mark.slow
 def test_an_ordered_chain_leaves_graph_optimizations_on(tmp_path):
   # Grappler rewrites x**3 (the tanh approximation of gelu, as GPT-2's
   # feed-forward layers use it) into products, and fails where the power

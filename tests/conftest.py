@@ -28,15 +28,22 @@ from tfremat import policies  # pylint: disable=g-import-not-at-top
 
 # TFREMAT_TEST_POLICY=dots_saveable pytest tests/remat_test.py runs every
 # rematerialized call that names no policy under that save policy: the whole
-# parity suite, under each built-in policy, is how CI checks them.
-TEST_POLICY = os.environ.get("TFREMAT_TEST_POLICY") or None
+# parity suite, under each built-in policy, is how CI checks them. Several
+# names, comma-separated, run each test once under each (in one process, which
+# saves a start of TensorFlow per policy).
+TEST_POLICIES = tuple(
+    name.strip()
+    for name in os.environ.get("TFREMAT_TEST_POLICY", "").split(",")
+    if name.strip())
+for _name in TEST_POLICIES:
+  policies.get(_name)  # A misspelt name fails here, before any test runs.
 
 
 def pytest_collection_modifyitems(config, items):
   """Under TFREMAT_TEST_POLICY, leaves out the eager cases: policies act in
   graphs only (an eager call recomputes everything), so those cases are
   the main suite's own."""
-  if TEST_POLICY is None:
+  if not TEST_POLICIES:
     return
   eager = [item for item in items
            if getattr(item, "callspec", None) is not None and
@@ -46,12 +53,38 @@ def pytest_collection_modifyitems(config, items):
     items[:] = [item for item in items if item not in eager]
 
 
-@pytest.fixture(autouse=True)
-def _test_policy():
-  if TEST_POLICY is None:
-    yield
-  else:
-    with policies.scope(TEST_POLICY):
+_active_policy = None
+
+
+def active_policy():
+  """The name of the save policy this test runs under (TFREMAT_TEST_POLICY),
+  or None."""
+  return _active_policy
+
+
+@contextlib.contextmanager
+def _under(name):
+  global _active_policy
+  _active_policy = name
+  try:
+    if name is None:
+      yield
+    else:
+      with policies.scope(name):
+        yield
+  finally:
+    _active_policy = None
+
+
+if len(TEST_POLICIES) > 1:
+  @pytest.fixture(autouse=True, params=TEST_POLICIES)
+  def _test_policy(request):
+    with _under(request.param):
+      yield
+else:
+  @pytest.fixture(autouse=True)
+  def _test_policy():
+    with _under(TEST_POLICIES[0] if TEST_POLICIES else None):
       yield
 
 

@@ -34,8 +34,6 @@ def test_quickstart_trains_and_remat_matches_and_saves_memory():
   assert remat_peak < 0.75 * plain_peak
 
 
-# Slow on 2 cores: CI runs it in its second stage (pytest -m slow).
-@pytest.mark.slow
 def test_keras_transformer_learns_and_wrapping_saves_memory():
   example = _load("keras_transformer")
   sizes = dict(batch=16, seq_len=32, blocks=2, width=32, vocab=32)

@@ -468,8 +468,6 @@ def test_chain_units_cut_where_every_path_passes():
   assert sum(isinstance(u, keras.Model) for u in units) == 2
 
 
-# Slow on 2 cores: CI runs it in its second stage (pytest -m slow).
-@pytest.mark.slow
 def test_budget_plans_a_functional_transformer_with_exact_gradients(tmp_path):
   # Large enough that half its peak is well above allocator granularity.
   # 70%: the lowest bound measured, allocator margin (10 points) included,
@@ -794,8 +792,6 @@ def test_grouping_saves_a_quarter_of_a_cnns_peak_on_either_kernel(mode,
   assert peaks[mode] <= 0.75 * peaks["kept"], peaks
 
 
-# Slow on 2 cores: CI runs it in its second stage (pytest -m slow).
-@pytest.mark.slow
 def test_budget_on_a_cnn_plans_over_the_groups_exactly(tmp_path):
   # Single layers measured one by one saved nothing alone and took minutes on
   # keras.applications CNNs; the planner chooses between mode="full"'s groups.
