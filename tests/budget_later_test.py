@@ -6,7 +6,7 @@ their largest peak plus their spread plus an allocator margin
 promise itself: the planned layer (of `remat_sequential`) or model (of
 `remat_model`, on a KerasHub backbone), saved to a `.keras` file and loaded
 in a fresh Python, peaks within its budget on each of 100 later training
-steps.
+steps. Slow (up to a minute per budget): CI runs it in its second stage.
 """
 
 import json
@@ -62,10 +62,6 @@ def _chain(name):
   return bench.chain_and_batch("mlp", bench.DEFAULTS["mlp"], 0.1)
 
 
-def _slow(*values):
-  return pytest.param(*values, marks=pytest.mark.slow)
-
-
 # chain name -> (blocks, batch, the chain's measured costs), and
 # (name, fraction) -> (plan, saved model, saved batch): each chain is
 # measured once and each plan made once, whichever tests check it.
@@ -97,25 +93,24 @@ def _planned(name, fraction, tmp_path_factory):
   return _PLANS[name, fraction]
 
 
+@pytest.mark.slow
 # The lowest bounds measured here, allocator margin included: 47% of the
 # keep-everything peak on residual_mlp idle and 52% beside a CPU-bound
 # process, 30% on bench_mlp (its every-block plan peaks at 20%). Fractions
 # that close to the floor are refused in a loaded process, so those tested
 # keep some room.
-# The small chains take seconds; the larger ones (up to a minute per
-# budget) are left to CI's second stage.
 @pytest.mark.parametrize("name, fraction", [
-    ("mlp", 0.5), ("mlp", 0.8), ("residual_mlp", 0.6), ("residual_mlp", 0.8),
-    _slow("bench_mlp", 0.4), _slow("bench_mlp", 0.5), _slow("bench_mlp", 0.8),
-    _slow("twelve", 0.3)])
+    ("mlp", 0.5), ("mlp", 0.8), ("residual_mlp", 0.6),
+    ("residual_mlp", 0.8), ("bench_mlp", 0.4), ("bench_mlp", 0.5),
+    ("bench_mlp", 0.8), ("twelve", 0.3)])
 def test_budget_holds_on_100_later_steps_in_a_new_process(
     name, fraction, tmp_path, tmp_path_factory):
   plan, model, x = _planned(name, fraction, tmp_path_factory)
   _assert_later_steps_within_budget(plan, _LATER, tmp_path, model, x)
 
 
-@pytest.mark.parametrize("name, fraction",
-                         [("mlp", 0.5), _slow("bench_mlp", 0.5)])
+@pytest.mark.slow
+@pytest.mark.parametrize("name, fraction", [("mlp", 0.5), ("bench_mlp", 0.5)])
 def test_budget_holds_later_with_one_executor_thread(name, fraction,
                                                      tmp_path,
                                                      tmp_path_factory):

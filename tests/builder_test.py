@@ -73,8 +73,8 @@ def test_dropout_helper_follows_deterministic_dropout():
   x = tf.ones([50, 50])
   det = _b(deterministic_dropout=True)._Dropout("d", 0.7).Instantiate()
   ker = _b()._Dropout("d", 0.7).Instantiate()
-  assert isinstance(det, tfremat.builder_layers.DeterministicDropoutLayer)
-  assert isinstance(ker, tfremat.builder_layers.KerasDropoutLayer)
+  assert isinstance(det, tfremat.lingvo.builder_layers.DeterministicDropoutLayer)
+  assert isinstance(ker, tfremat.lingvo.builder_layers.KerasDropoutLayer)
   for layer in (det, ker):
     assert layer(x, training=False) is x
     kept = layer(x, training=True).numpy() != 0
@@ -201,7 +201,7 @@ def test_rematerialization_layer_params_wraps_the_instantiated_body():
   b = _b()
   layer = b._Rematerialize("r", b._Linear("w", 3, 2)).Instantiate()
   assert isinstance(layer, tfremat.RematerializationLayer)
-  assert isinstance(layer.layer, tfremat.builder_layers.LinearLayer)
+  assert isinstance(layer.layer, tfremat.lingvo.builder_layers.LinearLayer)
   assert "body" in tfremat.RematerializationLayer.Params()
   with pytest.raises(ValueError, match="body must be instantiable"):
     tfremat.RematerializationLayer.Params().Set(body=3).Instantiate()

@@ -2,7 +2,12 @@
 bottom, the planner pure, the bench and the reference models at the top."""
 
 import ast
+import json
+import os
 import pathlib
+import subprocess
+import sys
+import textwrap
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tfremat"
 
@@ -130,22 +135,65 @@ def test_every_module_says_what_it_exports():
     assert not missing, (name, missing)
 
 
-def test_the_lingvo_api_is_gathered_and_old_paths_still_work():
-  import importlib  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+def test_the_lingvo_api_is_gathered_under_its_public_names():
   import tfremat  # pylint: disable=g-import-not-at-top,import-outside-toplevel
-  from tfremat import builder, builder_layers, hyperparams, lingvo, step_seed  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  from tfremat import builder, hyperparams, lingvo  # pylint: disable=g-import-not-at-top,import-outside-toplevel
   assert lingvo.Params is hyperparams.Params is lingvo.hyperparams.Params
   assert lingvo.Base is builder.Base
-  assert lingvo.layers is builder_layers is lingvo.builder_layers
-  assert lingvo.GetStepSeed is step_seed.GetStepSeed
-  # Paths from before the internals moved name the same module objects.
-  for old, new in [("remat", "_src.remat"), ("state", "_src.state"),
-                   ("selective", "_src.selective"), ("layers", "_src.layers"),
-                   ("remat_model", "_src.remat_model"),
-                   ("builder", "lingvo.builder")]:
-    assert (importlib.import_module(f"tfremat.{old}") is
-            importlib.import_module(f"tfremat.{new}")), old
-  assert callable(tfremat.remat_model)  # The function, not its module.
+  assert lingvo.layers is lingvo.builder_layers
+  assert lingvo.GetStepSeed is lingvo.step_seed.GetStepSeed
+  assert callable(tfremat.remat_model)
+
+
+_OLD_PATHS = textwrap.dedent("""
+    import importlib, json, sys, warnings
+    warnings.simplefilter("always")
+    import tfremat
+    found = {"in_sys_modules": sorted(
+        m for m in sys.modules if m.split(".")[1:2] in (
+            ["remat"], ["state"], ["step_seed"], ["remat_model"]))}
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      import tfremat.remat_model
+      from tfremat.remat_model import chain_units
+      found["function_stays"] = callable(tfremat.remat_model)
+      import tfremat.remat
+      again = tfremat.remat
+      from tfremat import state, step_seed
+      found["same"] = [
+          tfremat.remat is tfremat._src.remat is again,
+          chain_units is tfremat.chain_units,
+          state is tfremat._src.state,
+          step_seed.GetStepSeed is tfremat.lingvo.GetStepSeed,
+          importlib.import_module("tfremat.builder_layers")
+          is tfremat.lingvo.builder_layers,
+          tfremat.hyperparams is importlib.import_module("tfremat.hyperparams"),
+          tfremat.builder is tfremat.lingvo.builder]
+    found["warnings"] = [(w.category.__name__, str(w.message),
+                          w.filename == __file__) for w in caught]
+    print(json.dumps(found))
+""")
+
+
+def test_old_module_paths_work_and_each_warns_once_naming_the_new_one(
+    tmp_path):
+  # In a new process: each old path warns on its first use only.
+  script = tmp_path / "old_paths.py"
+  script.write_text(_OLD_PATHS)
+  done = subprocess.run([sys.executable, str(script)], check=True,
+                        capture_output=True, text=True,
+                        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+  found = json.loads(done.stdout.strip().splitlines()[-1])
+  assert found["in_sys_modules"] == []  # Nothing until a path is used.
+  assert found["function_stays"] and all(found["same"]), found
+  warned = {message.split()[0]: (category, here)
+            for category, message, here in found["warnings"]}
+  assert len(found["warnings"]) == len(warned) == 5, found["warnings"]
+  assert warned == {f"tfremat.{old}": ("DeprecationWarning", True) for old in
+                    ("remat_model", "remat", "state", "step_seed",
+                     "builder_layers")}, found["warnings"]
+  for _, message, _ in found["warnings"]:
+    assert "Use tfremat." in message, message
 
 
 def _code_lines(node):

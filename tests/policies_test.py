@@ -21,7 +21,7 @@ import tensorflow as tf
 import tfremat
 from tfremat import models
 from tfremat import policies
-from tfremat import selective
+from tfremat._src import selective
 from tfremat._src import residuals
 from conftest import assert_parity, device_modes
 
@@ -367,14 +367,14 @@ def test_batch_dims_tell_attention_scores_from_projections():
 def test_eager_calls_keep_nothing_and_stay_exact():
   block, weights, variables = _mlp_block()
   calls = []
-  tfremat.remat._observers.append(calls)  # pylint: disable=protected-access
+  tfremat._src.remat._observers.append(calls)  # pylint: disable=protected-access
   try:
     assert_parity(
         lambda remat, x: (tfremat.RematerializeFn(block, x, policy="dots_saveable")
                           if remat else block(x)),
         (_x(6, 8),), weights, "eager", "/CPU:0", state=variables)
   finally:
-    tfremat.remat._observers.remove(calls)  # pylint: disable=protected-access
+    tfremat._src.remat._observers.remove(calls)  # pylint: disable=protected-access
   assert calls and all(c.saver is None for c in calls)
 
 

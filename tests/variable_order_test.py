@@ -24,7 +24,7 @@ from tensorflow.python.grappler import tf_optimizer
 from tensorflow.python.training import saver as saver_lib
 
 import tfremat
-from tfremat import state
+from tfremat._src import state
 from conftest import DEVICES
 
 

@@ -85,37 +85,20 @@ from tfremat.lingvo import SetGlobalStep
 from tfremat.policies import checkpoint_name
 
 
-def _keep_old_module_paths():
-  """Import paths from before the internals moved to `tfremat._src` and the
-  Lingvo API to `tfremat.lingvo`: `tfremat.remat`, `from tfremat import
-  builder` and the rest name the same module objects as before (so their
-  private names and Params text written as `type/tfremat.builder_layers/...`
-  still resolve). `tfremat.remat_model` stays the function; its module is
-  importable as `tfremat.remat_model` for `from ... import`."""
-  import importlib  # pylint: disable=import-outside-toplevel
-  moved = {
-      "builder": "lingvo.builder",
-      "builder_layers": "lingvo.builder_layers",
-      "hyperparams": "_src.hyperparams",
-      "in_place": "_src.in_place",
-      "layers": "_src.layers",
-      "remat": "_src.remat",
-      "remat_model": "_src.remat_model",
-      "residuals": "_src.residuals",
-      "selective": "_src.selective",
-      "state": "_src.state",
-      "step_seed": "_src.step_seed",
-      "watch": "_src.watch",
-  }
-  package = sys.modules[__name__]
-  for old, new in moved.items():
-    module = importlib.import_module(f"{__name__}.{new}")
-    sys.modules[f"{__name__}.{old}"] = module
-    if old != "remat_model":
-      setattr(package, old, module)
+# The public module names `tfremat.builder` and `tfremat.hyperparams`; the
+# module paths of earlier versions (`tfremat.remat`, `tfremat.step_seed`, ...)
+# work through `__getattr__` below and an import finder, with a
+# DeprecationWarning (tfremat/_src/moved.py).
+from tfremat._src import hyperparams
+from tfremat._src import moved as _moved
+from tfremat.lingvo import builder
+
+_moved.install(sys.modules[__name__])
 
 
-_keep_old_module_paths()
+def __getattr__(name):
+  return _moved.attribute(name)
+
 
 __version__ = "0.1.0"
 

@@ -9,8 +9,9 @@ For code written against Lingvo: `Params` and `InstantiableParams`
 (`tfremat.lingvo.hyperparams`), the layer builder `Base` with `_Rematerialize`
 (`tfremat.lingvo.builder`), its layers (`tfremat.lingvo.builder_layers`, as
 `layers`), the step seeds (`tfremat.lingvo.step_seed`) and `RematerializeFn`.
-The older paths `tfremat.hyperparams`, `tfremat.builder`,
-`tfremat.builder_layers` and `tfremat.step_seed` still work.
+`tfremat.hyperparams` and `tfremat.builder` name the same modules; the older
+paths `tfremat.builder_layers` and `tfremat.step_seed` still work, with a
+DeprecationWarning.
 """
 
 from tfremat._src.remat import RematerializeFn
