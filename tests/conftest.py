@@ -53,27 +53,8 @@ def pytest_collection_modifyitems(config, items):
     items[:] = [item for item in items if item not in eager]
 
 
-_active_policy = None
-
-
-def active_policy():
-  """The name of the save policy this test runs under (TFREMAT_TEST_POLICY),
-  or None."""
-  return _active_policy
-
-
-@contextlib.contextmanager
 def _under(name):
-  global _active_policy
-  _active_policy = name
-  try:
-    if name is None:
-      yield
-    else:
-      with policies.scope(name):
-        yield
-  finally:
-    _active_policy = None
+  return contextlib.nullcontext() if name is None else policies.scope(name)
 
 
 if len(TEST_POLICIES) > 1:
