@@ -195,7 +195,7 @@ def test_remat_sequential_argument_errors():
     tfremat.remat_sequential(blocks, segments=1, budget=10)
   with pytest.raises(ValueError, match="needs sample_input"):
     tfremat.remat_sequential(blocks, budget=10)
-  with pytest.raises(TypeError, match="list of Keras layers"):
+  with pytest.raises(TypeError, match="takes Keras layers"):
     tfremat.RematSequential([lambda x: x], [(0, 1, True)])
   with pytest.raises(ValueError, match="cover layers"):
     tfremat.RematSequential(blocks, [(0, 1, True)])

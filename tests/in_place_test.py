@@ -8,7 +8,8 @@ import tensorflow as tf
 import tfremat
 from tfremat import chain
 from tfremat import measure
-from conftest import DEVICE_MODES, assert_parity
+from tfremat import planner
+from conftest import DEVICE_MODES, assert_parity, random_costs
 
 
 def _model(blocks=3, width=32, dropout=0.3):
@@ -258,18 +259,19 @@ def test_budget_in_place_below_every_layer_says_so_and_changes_nothing():
   model, blocks = _dense_stack(dropout=0.1)
   data = tf.random.stateless_normal([256, 64], seed=[1, 2])
   with pytest.raises(ValueError, match=r"with all 8 layer\(s\) "
-                     r"rematerialized, and nested, the training step's "
-                     r"lowest bound .* \d+% of the peak without") as caught:
+                     r"rematerialized, and nested, nothing fits a budget of "
+                     r"0\.0 MiB: the lowest bound measured is .* \d+% of the "
+                     r"measured keep-everything peak") as caught:
     tfremat.remat_in_place_for_budget(model, blocks, "1KiB", data, data,
                                       calls=2)
   assert isinstance(caught.value, tfremat.errors.BudgetUnreachableError)
-  assert f"{caught.value.lowest_fraction:.0%} of the peak without" in str(
-      caught.value)
+  assert (f"{caught.value.lowest_fraction:.0%} of the measured "
+          "keep-everything peak") in str(caught.value)
   assert not any(tfremat.is_remat_in_place(b) for b in blocks)
   assert not any(tfremat.is_remat_in_place(l) for b in blocks
                  for l in b.layers)
   with pytest.raises(ValueError, match=r"with all 8 layer\(s\) "
-                     r"rematerialized the training step's lowest bound"):
+                     r"rematerialized, nothing fits a budget"):
     tfremat.remat_in_place_for_budget(model, blocks, "1KiB", data, data,
                                       calls=2, nested=False)
   assert not any(tfremat.is_remat_in_place(b) for b in blocks)
@@ -368,3 +370,25 @@ def test_keras_hub_causal_lm_under_a_budget_stays_a_task():
   assert max(later) <= chosen.budget_bytes, (later, str(chosen))
   lm.fit(example.text(16), batch_size=8, epochs=1, verbose=0)
   _assert_continues_the_prompt(lm)
+
+
+def test_every_budget_goes_through_the_planners_one_search(monkeypatch):
+  searched = []
+
+  def fit_budget(*args, **kwargs):
+    searched.append(args[2])  # The key of keeping everything.
+    return fit(*args, **kwargs)
+
+  fit = planner.fit_budget
+  monkeypatch.setattr(planner, "fit_budget", fit_budget)
+  model, blocks = _dense_stack()
+  data = tf.random.stateless_normal([64, 64], seed=[1, 2])
+  chosen = tfremat.remat_in_place_for_budget(model, blocks, 1.0, data, data,
+                                             calls=2)
+  assert not chosen.layers and searched == [(0, False)]
+  costs = random_costs(np.random.default_rng(6), 3)
+  monkeypatch.setattr(chain, "measure_peaks", lambda layer, x, calls, **_: [
+      int(planner.predict(costs, layer.segments)[0])])
+  layers = [keras.layers.Identity() for _ in costs]
+  chain.checked_plan(layers, 0.6, None, costs=costs)
+  assert searched[1] == (tuple(planner.keep_all(3)), False)

@@ -99,7 +99,8 @@ def test_each_idea_sits_at_its_level():
   deps = {m: found - {"errors"} for m, found in graph.items()}
   assert deps["measure"] == set()  # The bottom: used by all who measure.
   # Pure: computes, never measures; its segments carry policies (values).
-  assert deps["planner"] <= {"measure", "policies"}
+  assert deps["planner"] <= {"measure", "policies", "_src.cost_model"}
+  assert deps["_src.cost_model"] <= {"measure", "policies"}
   assert deps["policies"] == set()  # Pure functions of an op's description.
   assert deps["_src.watch"] == set()  # The one op callback, below its users.
   assert deps["_src.selective"] <= {"policies", "_src.watch"}  # Keeping.

@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -130,3 +131,13 @@ def test_median_seconds_times_each_fn_in_every_round():
 def test_format_bytes_gives_mib():
   assert measure.format_bytes(79 * 2**20) == "79.0 MiB"
   assert tfremat.measure is measure
+
+
+def test_restoring_puts_variables_back_also_between_measurements():
+  weight = tf.Variable([1.0, 2.0])
+  with measure.restoring([weight]) as snapshot:
+    weight.assign([5.0, 5.0])
+    snapshot.restore()
+    np.testing.assert_array_equal(weight.numpy(), [1.0, 2.0])
+    weight.assign_add([1.0, 1.0])
+  np.testing.assert_array_equal(weight.numpy(), [1.0, 2.0])

@@ -8,6 +8,7 @@ import pytest
 
 from tfremat import errors
 from tfremat import planner
+from tfremat._src import cost_model
 from tfremat.planner import Segment
 from conftest import random_costs
 
@@ -124,12 +125,12 @@ def test_feasibility_agrees_with_the_fastest_plans_search():
   # one number per position; _fastest's fronts must agree at every budget.
   for seed in range(4):
     costs = random_costs(np.random.default_rng(20 + seed), 9)
-    table = planner._segment_table(costs)  # pylint: disable=protected-access
+    table = cost_model.segment_table(costs)
     need = planner.smallest_budget(costs)
     for budget in (need - 1, need, need + 1, int(1.2 * need), 2 * need):
-      fits = planner._fits(costs, budget, table)  # pylint: disable=protected-access
-      assert fits == (planner._fastest(costs, budget) is not None), budget  # pylint: disable=protected-access
-    assert not planner._fits(costs, need - 1, table)  # pylint: disable=protected-access
+      fits = cost_model.fits(costs, budget, table)
+      assert fits == (cost_model.fastest(costs, budget) is not None), budget
+    assert not cost_model.fits(costs, need - 1, table)
 
 def test_full_budget_rematerializes_nothing_and_plan_prints():
   costs = random_costs(np.random.default_rng(4), 5)
@@ -263,7 +264,7 @@ def test_a_budget_below_the_weight_gradients_is_refused_after_one_measurement(
 
 def _retained(costs, segments):
   """Bytes a plan retains between its segments' forward and backward."""
-  return sum(planner._segment_terms(costs, s)[1] for s in segments)  # pylint: disable=protected-access
+  return sum(cost_model._segment_terms(costs, s)[1] for s in segments)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 4])  # Chains where they differ.
@@ -702,3 +703,75 @@ def test_a_plan_is_run_ordered_only_where_nothing_unordered_fits(
   roomy = planner.calibrated_plan(costs, 0.9, unordered,
                                   measured_ordered=ordered)
   assert not roomy.ordered and not ordered_calls
+
+
+def _fit(peaks, budget, rank=None, gradient_bytes=0, tries=()):
+  """`planner.fit_budget` over fake candidates: `peaks` maps each key to
+  its per-call peaks; the search measures `tries` in order. Returns the
+  Fitted and the keys measured, in order."""
+  measured = []
+
+  def measured_peak(key):
+    measured.append(key)
+    return peaks[key]
+
+  def search(measure_it, budget_bytes):
+    del budget_bytes
+    for key in tries:
+      measure_it(key)
+      measure_it(key)  # Measured once all the same.
+
+  fitted = planner.fit_budget(budget, measured_peak, "keep", search,
+                              rank=rank or (lambda key: key),
+                              gradient_bytes=gradient_bytes)
+  return fitted, measured
+
+
+def test_fit_budget_is_the_one_search_every_budget_goes_through():
+  planner.ALLOCATOR_MARGIN, margin = 0.0, planner.ALLOCATOR_MARGIN
+  try:
+    peaks = {"keep": [100, 100], "a": [60, 60], "b": [40, 40],
+             "c": [30, 50], "over": [120, 120]}
+    # Keeping everything fits: nothing else is measured.
+    fitted, measured = _fit(peaks, 100, tries=["a"])
+    assert (fitted.choice, measured) == ("keep", ["keep"])
+    # A fraction is of keeping everything's peak; the first fitting
+    # candidate by rank is chosen, each measured once. "c" peaks at 50 but
+    # its bound (largest + spread) is 70; "over" peaks above keeping
+    # everything and is never chosen.
+    fitted, measured = _fit(peaks, "60%", tries=["over", "c", "b", "a"],
+                            rank=lambda key: -peaks[key][0])
+    assert fitted.choice == "a" and fitted.budget_bytes == 60
+    assert measured == ["keep", "over", "c", "b", "a"]
+    assert fitted.keep == planner.Measured(100, 100, 2)
+    assert fitted.measured == planner.Measured(60, 60, 2)
+    # Below every bound: one refusal, naming the lowest bound measured.
+    with pytest.raises(errors.BudgetUnreachableError,
+                       match=r"the lowest bound measured is .*, 40% of"):
+      _fit(peaks, 35, tries=["a", "b"])
+    # Below the weight gradients: refused before the search measures.
+    with pytest.raises(errors.BudgetUnreachableError,
+                       match="ends holding the weight gradients") as caught:
+      _fit(peaks, 35, tries=["a", "b"], gradient_bytes=50)
+    assert caught.value.lowest_fraction == 0.5
+  finally:
+    planner.ALLOCATOR_MARGIN = margin
+
+
+def test_fit_budget_refusal_says_what_was_tried_and_what_to_do():
+  def search(measure_it, budget_bytes):
+    del budget_bytes
+    measure_it(4)
+
+  with pytest.raises(errors.BudgetUnreachableError) as caught:
+    planner.fit_budget(
+        "10%", lambda key: [100 - 10 * key], 0, search, rank=lambda k: k,
+        refusal=lambda: dict(subject="with all 4 layer(s), nothing fits",
+                             terms=[("the weight gradients", 2**20)],
+                             fix="give more layers"))
+  message = str(caught.value)
+  assert message.startswith("tfremat: with all 4 layer(s), nothing fits a "
+                            "budget of "
+                            "10% of the keep-everything peak")
+  assert "What every plan holds, by the cost model: the weight " in message
+  assert message.endswith("or give more layers.")

@@ -10,8 +10,10 @@ by measuring the chain (`measure_chain`) and asking the planner
 (`tfremat.planner`), whose choice `checked_plan` checks by measurement.
 """
 
+import collections.abc
 import contextlib
 import dataclasses
+import functools
 import os
 
 import keras
@@ -184,7 +186,7 @@ class RematSequential(keras.layers.Layer):
 
   def __init__(self, layers, segments, plan=None, policy=None, ordered=False,
                **kwargs):
-    layers = _chain_layers(layers, "RematSequential")
+    layers = layers_lib.keras_layers(layers, "RematSequential", chain=True)
     segments = [s if isinstance(s, planner.Segment) else planner.Segment(*s)
                 for s in segments]
     planner.check_segments(segments, len(layers))
@@ -399,27 +401,6 @@ class _OpOrder(watch.Handler):
     return super().__enter__()
 
 
-def _chain_layers(layers, caller):
-  """`layers` as a list of Keras layers: a `keras.Sequential`'s own, or the
-  given iterable's; TypeError otherwise."""
-  if isinstance(layers, keras.Sequential):
-    layers = layers.layers
-  elif isinstance(layers, keras.layers.Layer):
-    raise errors.InvalidTypeError(
-        f"{caller} needs a list of Keras layers or a keras.Sequential; got "
-        f"one {type(layers).__name__}. Pass [layer] for a chain of one.")
-  layers = list(layers)
-  for l in layers:
-    layers_lib.refuse_keras2(l, caller)
-  bad = [l for l in layers if not isinstance(l, keras.layers.Layer)]
-  if not layers or bad:
-    raise errors.InvalidTypeError(
-        f"{caller} needs a non-empty list of Keras layers or a "
-        f"keras.Sequential; got "
-        f"{[type(l).__name__ for l in bad] or 'an empty list'}.")
-  return layers
-
-
 def remat_sequential(layers, segments=None, budget=None, sample_input=None,
                      verbose=1, policy=None, policies=policies_lib.PLANNED):
   """A Keras layer running `layers` in order, with chosen rematerialization.
@@ -471,27 +452,36 @@ def remat_sequential(layers, segments=None, budget=None, sample_input=None,
     raise errors.InvalidArgumentError(
         "remat_sequential: give either segments (an int or \"sqrt\") or "
         "budget with sample_input, not both or neither.")
-  layers = _chain_layers(layers, "remat_sequential")
+  layers = layers_lib.keras_layers(layers, "remat_sequential", chain=True)
   if segments is not None:
     return RematSequential(layers,
                            planner.uniform_segments(len(layers), segments),
                            policy=policy)
+  budget, policies = planning_arguments("remat_sequential", budget,
+                                        sample_input, policies, policy)
+  chosen = checked_plan(layers, budget, sample_input, verbose=verbose,
+                        policies=policies)
+  return RematSequential(layers, segments_with(chosen.segments, policies),
+                         plan=chosen,
+                         ordered=chosen.ordered)
+
+
+def planning_arguments(caller, budget, sample_input, policies, policy=None):
+  """`(Budget, policies)` for planning, checked before anything is measured
+  (`remat_sequential`, `remat_model`, the builder's `_RematerializeSeq`);
+  TypeError/ValueError naming the fix."""
   if policy is not None:
     raise errors.InvalidArgumentError(
-        "remat_sequential: with a budget the planner chooses each segment's "
+        f"{caller}: with a budget the planner chooses each segment's "
         "policy; name the ones it may choose with policies=[...], or give "
         "segments= to use one policy everywhere.")
   policies = planned_policies(policies)
   budget = planner.Budget.parse(budget)
   if sample_input is None:
     raise errors.InvalidArgumentError(
-        "remat_sequential: budget needs sample_input, a batch to measure the "
-        "layers on.")
-  chosen = checked_plan(layers, budget, sample_input, verbose=verbose,
-                        policies=policies)
-  return RematSequential(layers, segments_with(chosen.segments, policies),
-                         plan=chosen,
-                         ordered=chosen.ordered)
+        f"{caller}: budget needs sample_input, a batch like those it will "
+        "train on, to measure on.")
+  return budget, policies
 
 
 def planned_policies(policies):
@@ -566,7 +556,7 @@ def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
       `lowest_fraction` is that bound as a fraction of keeping
       everything's peak.
   """
-  layers = _chain_layers(layers, "checked_plan")
+  layers = layers_lib.keras_layers(layers, "checked_plan", chain=True)
   budget = planner.Budget.parse(budget)
   # Each layer, keeping everything, the rounds' plans and, before refusing,
   # the lowest plan (the bar is filled at the end when that is not needed).
@@ -582,27 +572,36 @@ def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
     return peaks
 
   keep, gradients = planner.keep_all(len(layers)), []
+  if costs is None:
+    costs = _CostsOnDemand(len(layers), lambda: measure_chain(
+        layers, sample_input, progress=progress, policies=policies))
   with _variables_restored(layers, sample_input), retracing_quiet():
-    # Keeping everything first: with the weight gradients' bytes, it can
-    # show the budget out of reach before any layer is measured.
+    # Keeping everything first, with its weight gradients' bytes: a budget
+    # below them is refused before any layer is measured.
     keep_peaks = measured_peak(keep, gradients=gradients)
-    gradient_bytes = sum(gradients)
-    kept = planner.Measured.with_margin(keep_peaks)
-    error = planner.gradients_floor_error(budget, kept, gradient_bytes)
-    if error is not None:
-      raise error
-    if costs is None:
-      costs = measure_chain(layers, sample_input, progress=progress,
-                            policies=policies)
     chosen = planner.calibrated_plan(
         costs, budget,
         lambda s: keep_peaks if s == keep else measured_peak(s), rounds,
         nestable=[in_place.can_nest(nest_target(l)) for l in layers],
-        gradient_bytes=gradient_bytes,
+        gradient_bytes=sum(gradients),
         measured_ordered=lambda s: measured_peak(s, ordered=True))
   if progress is not None:
     progress.update(progress.target, finalize=True)
   return chosen
+
+
+class _CostsOnDemand(collections.abc.Sequence):
+  """A chain's LayerCosts, measured when first read (`checked_plan`)."""
+
+  def __init__(self, num_layers, measure_them):
+    self._num_layers = num_layers
+    self._measured = functools.cache(measure_them)
+
+  def __len__(self):
+    return self._num_layers
+
+  def __getitem__(self, index):
+    return self._measured()[index]
 
 
 @contextlib.contextmanager
@@ -626,24 +625,15 @@ def retracing_quiet():
     logger.removeFilter(not_retracing)
 
 
-@contextlib.contextmanager
 def _variables_restored(layers, sample_input):
-  """Puts every variable of `layers` back as it was when the block ends.
-
-  Unbuilt layers are built first by an inference call, which changes no
-  state, so that their variables exist to be restored.
-  """
+  """`measure.restoring` every variable of `layers`. Unbuilt layers are
+  built first by an inference call, which changes no state, so that their
+  variables exist to be restored."""
   x = sample_input
   for layer in layers:
     x = layer(x)
   del x  # Held through the measurements, it would shift their peaks.
-  variables = [v for layer in layers for v in layer.variables]
-  values = [np.array(v.numpy()) for v in variables]
-  try:
-    yield
-  finally:
-    for variable, value in zip(variables, values):
-      variable.assign(value)
+  return measure.restoring([v for layer in layers for v in layer.variables])
 
 
 def _nbytes(tree):
@@ -832,16 +822,13 @@ def measure_layer(layer, x, repeats=5, policies=()):
   return cost, y
 
 
-_DOTS = ("MatMul", "BatchMatMul", "Einsum", "Conv", "DepthwiseConv")
-
-
 def _kinds_kept(residuals_kept):
   """What a policy keeps of a layer, by kind, for the plan's printout."""
   kinds = []
   for r in residuals_kept:
     op = r.what.split()[0]
     kind = ("masks" if "bool" in str(r.dtype) else
-            "dots" if op.startswith(_DOTS) else
+            "dots" if policies_lib.is_dot_type(op) else
             "softmax" if op == "Softmax" else op)
     if kind not in kinds:
       kinds.append(kind)

@@ -17,6 +17,7 @@ importing tfremat turns on (TF_CPU_ALLOCATOR_USE_BFC=true) if TensorFlow has
 not run an op yet.
 """
 
+import contextlib
 import sys
 import time
 
@@ -35,6 +36,7 @@ __all__ = [
     "seconds",
     "format_bytes",
     "progress_bar",
+    "restoring",
     "PEAK_CALLS",
 ]
 
@@ -209,3 +211,33 @@ def progress_bar(target, unit_name, verbose=1):
   interactive = hasattr(sys.stdout, "isatty") and sys.stdout.isatty()
   return keras.utils.Progbar(target, unit_name=unit_name,
                              verbose=1 if interactive else 2)
+
+
+class _Snapshot:
+  """Variables' values, taken once; `restore` puts them back."""
+
+  def __init__(self, variables):
+    self.variables = list(variables)
+    self.values = [np.array(v.numpy()) for v in self.variables]
+
+  def restore(self):
+    for variable, value in zip(self.variables, self.values):
+      variable.assign(value)
+
+
+@contextlib.contextmanager
+def restoring(variables):
+  """Puts `variables` back as they were when the block ends.
+
+  Measuring a training step moves what it trains: weights and optimizer
+  slots (`model.train_on_batch`), BatchNormalization statistics, dropout
+  seed generators. The values are copied to host memory, which the peaks
+  measured inside the block do not count. The block gets the snapshot:
+  its `restore()` puts them back at any time (between measurements).
+  """
+  snapshot = _Snapshot(variables)
+  try:
+    yield snapshot
+  finally:
+    snapshot.restore()
+

@@ -29,12 +29,20 @@ its layers' own layers rematerialized inside their reruns (`Segment.nested`,
 import dataclasses
 import functools
 import math
-import re
-import numpy as np
 
 from tfremat import errors
 from tfremat import measure
-from tfremat import policies as policies_lib
+from tfremat._src import cost_model
+from tfremat._src.cost_model import Budget
+from tfremat._src.cost_model import LayerCost
+from tfremat._src.cost_model import Segment
+from tfremat._src.cost_model import check_segments
+from tfremat._src.cost_model import keep_all
+from tfremat._src.cost_model import predict
+from tfremat._src.cost_model import segment_policies
+from tfremat._src.cost_model import short_policy_name
+from tfremat._src.cost_model import smallest_budget
+from tfremat._src.cost_model import uniform_segments
 
 __all__ = [
     "Measured",
@@ -44,6 +52,8 @@ __all__ = [
     "Plan",
     "plan",
     "calibrated_plan",
+    "fit_budget",
+    "Fitted",
     "predict",
     "check_segments",
     "segment_policies",
@@ -139,345 +149,6 @@ def peak_for_bound(bound_bytes):
 ALLOCATOR_MARGIN = 0.12
 
 
-@dataclasses.dataclass(frozen=True)
-class LayerCost:
-  """What one layer of a chain costs in a training step.
-
-  Attributes:
-    name: the layer's name.
-    forward_seconds: one forward call, training mode.
-    backward_seconds: the gradient computation alone (forward + backward
-      minus forward).
-    input_bytes: its input (the previous layer's output).
-    output_bytes: its output.
-    saved_bytes: what its forward pass keeps for its backward pass beyond its
-      output, when it is not rematerialized.
-    forward_transient_bytes: the forward pass's peak above its inputs,
-      output and saved tensors.
-    backward_transient_bytes: the backward pass's peak above what it holds
-      (saved tensors, output, incoming and outgoing gradients, weight
-      gradients).
-    weight_grad_bytes: its weight gradients (held until the step ends).
-    waiting_recompute_seconds: what its recompute costs beyond
-      `forward_seconds` when it is not the last layer of a rematerialized
-      segment, so that its recomputed tensors wait while the later layers'
-      are recomputed (measured chain-wide by `measure_chain`).
-    policy_costs: per save policy name (`tfremat.policies.PLANNED`), a pair
-      [kept bytes, recompute seconds]: what the layer's forward pass keeps
-      under the policy when rematerialized (beyond its output), and what
-      rematerializing it under the policy adds to a training step's time
-      (measured, like the rest, by `measure_chain`).
-    policy_keeps: per save policy name, what it keeps of this layer by
-      kind, for printouts: "dots", "masks", "softmax", other op types joined
-      with "+", or "nothing" (a softmax policy on a layer without softmax).
-  """
-  name: str
-  forward_seconds: float
-  backward_seconds: float
-  input_bytes: int
-  output_bytes: int
-  saved_bytes: int
-  forward_transient_bytes: int
-  backward_transient_bytes: int
-  weight_grad_bytes: int
-  waiting_recompute_seconds: float = 0.0
-  policy_costs: dict = dataclasses.field(default_factory=dict)
-  policy_keeps: dict = dataclasses.field(default_factory=dict)
-
-  def recompute_seconds(self, policy=None):
-    """What rematerializing this layer adds to a step (before waiting)."""
-    if policy is None:
-      return self.forward_seconds
-    return self.policy_costs[policy][1]
-
-  def kept_bytes(self, policy=None):
-    """What a rematerialized forward pass keeps beyond its output."""
-    return 0 if policy is None else self.policy_costs[policy][0]
-
-
-@dataclasses.dataclass(frozen=True)
-class Segment:
-  """Layers [start, stop) of the chain, rematerialized or kept.
-
-  `policy` is the save policy a rematerialized segment runs under
-  (`tfremat.policies`: a built-in's name, or a policy value such as
-  `save_only_these_names(...)`), or None: everything is recomputed.
-  `nested`, for a rematerialized segment: each of its layers' own layers
-  (one level down, as `tfremat.remat_in_place(..., nested=True)` takes them;
-  for a unit that wraps one layer, that layer's: `tfremat.chain.nest_target`)
-  are rematerialized too, inside the segment's rerun, under the same policy.
-  The cost model does not model nesting: it predicts a nested segment as
-  the same segment not nested.
-  """
-  start: int
-  stop: int
-  remat: bool
-  policy: object = None
-  nested: bool = False
-
-  def __post_init__(self):
-    if isinstance(self.policy, dict):  # A policy's config, as saved.
-      object.__setattr__(self, "policy",
-                         policies_lib.deserialize(self.policy))
-
-  def as_list(self):
-    """[start, stop, remat], then the policy (`tfremat.policies.serialize`)
-    if there is one, and True if nested (after the policy, None if there
-    is none): JSON-able."""
-    items = [self.start, self.stop, self.remat]
-    policy = policies_lib.serialize(self.policy)
-    if self.nested:
-      return items + [policy, True]
-    return items + [policy] if policy is not None else items
-
-
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10,
-          "mib": 2**20, "gib": 2**30}
-_BUDGET_FORMS = (
-    "bytes as an int (200 * 2**20), a string with a unit (\"200MiB\", "
-    "\"1.5GB\"), or a fraction of the measured keep-everything peak as a "
-    "float in (0, 1] (0.5) or a percentage (\"50%\")")
-
-
-@dataclasses.dataclass(frozen=True)
-class Budget:
-  """A memory budget for a training step's peak: `num_bytes`, or `fraction`
-  of the measured peak of keeping everything. Made by `Budget.parse`."""
-  num_bytes: int = None
-  fraction: float = None
-
-  @classmethod
-  def parse(cls, value):
-    """A Budget from what a person writes: 200 * 2**20, "200MiB", 0.5,
-    "50%". Raises TypeError or ValueError naming the accepted forms."""
-    if isinstance(value, Budget):
-      return value
-    if isinstance(value, (bool, np.bool_)):
-      raise errors.InvalidTypeError(f"A budget is {_BUDGET_FORMS}; got {value!r}.")
-    if isinstance(value, (int, np.integer)):
-      if value <= 0:
-        raise errors.InvalidArgumentError(f"A budget must be positive; got {value} bytes.")
-      return cls(num_bytes=int(value))
-    if isinstance(value, (float, np.floating)):
-      if not 0 < value <= 1:  # Also NaN.
-        raise errors.InvalidArgumentError(
-            f"A float budget is a fraction of the keep-everything peak, in "
-            f"(0, 1]; got {value!r}. Give bytes as an int or a string such as "
-            "\"200MiB\".")
-      return cls(fraction=float(value))
-    if isinstance(value, str):
-      match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(%|[a-zA-Z]*)\s*",
-                           value)
-      unit = match and match.group(2).lower()
-      if match and unit == "%":
-        if not 0 < float(match.group(1)) <= 100:
-          raise errors.InvalidArgumentError(
-              f"A percentage budget must be in (0%, 100%]; got {value!r}.")
-        return cls(fraction=float(match.group(1)) / 100)
-      if match and unit in _UNITS or match and not unit:
-        return cls.parse(int(float(match.group(1)) * _UNITS[unit or "b"]))
-      raise errors.InvalidArgumentError(f"A budget is {_BUDGET_FORMS}; got {value!r}.")
-    raise errors.InvalidTypeError(f"A budget is {_BUDGET_FORMS}; got {value!r}.")
-
-  def bytes_given(self, keep_everything_bytes):
-    """The budget in bytes, given the measured peak of keeping everything."""
-    if self.num_bytes is not None:
-      return self.num_bytes
-    return int(self.fraction * keep_everything_bytes)
-
-  def __str__(self):
-    if self.num_bytes is not None:
-      return measure.format_bytes(self.num_bytes)
-    return f"{self.fraction:.0%} of the keep-everything peak"
-
-
-def _segment_terms(costs, seg):
-  """(peak above retained-before, retained after, seconds) of one segment.
-
-  The peak term excludes the bytes retained by earlier segments and the
-  weight gradients of later layers, which `predict` adds.
-  """
-  layers = costs[seg.start:seg.stop]
-  policy = seg.policy if seg.remat else None
-  peak, held, kept = 0, 0, 0
-  # Forward.
-  for i, c in enumerate(layers):
-    if seg.remat:
-      # Only the previous in-segment output is live while this layer runs,
-      # and what the policy kept of the earlier ones.
-      prev = layers[i - 1].output_bytes if i else 0
-      peak = max(peak, kept + prev + c.output_bytes + c.saved_bytes +
-                 c.forward_transient_bytes)
-      kept += c.kept_bytes(policy)
-    else:
-      peak = max(peak, held + c.output_bytes + c.saved_bytes +
-                 c.forward_transient_bytes)
-      held += c.output_bytes + c.saved_bytes
-  retained = held if not seg.remat else layers[-1].output_bytes + kept
-  # Backward: recompute first when rematerialized; the segment's incoming
-  # gradient is live from then on, and so is what the policy kept.
-  dy = layers[-1].output_bytes
-  held = 0
-  for c in layers:
-    if seg.remat:
-      # What the policy kept of this and later layers is live too; what it
-      # kept of earlier ones is now part of `held`.
-      kept -= c.kept_bytes(policy)
-      peak = max(peak, kept + dy + held + c.output_bytes + c.saved_bytes +
-                 c.forward_transient_bytes)
-    held += c.output_bytes + c.saved_bytes
-  grads = 0
-  for c in reversed(layers):
-    peak = max(peak, held + c.output_bytes + c.input_bytes + grads +
-               c.weight_grad_bytes + c.backward_transient_bytes)
-    held -= c.output_bytes + c.saved_bytes
-    grads += c.weight_grad_bytes
-  seconds = sum(c.forward_seconds + c.backward_seconds for c in layers)
-  if seg.remat:
-    seconds += sum(c.recompute_seconds(policy) for c in layers)
-    # Waiting grows with what is recomputed: scaled by the policy's share.
-    seconds += sum(
-        c.waiting_recompute_seconds *
-        min(1.0, c.recompute_seconds(policy) / max(c.forward_seconds, 1e-12))
-        for c in layers[:-1])
-  return peak, retained, seconds
-
-
-def _grads_after(costs):
-  after, total = [0] * len(costs), 0
-  for i in range(len(costs) - 1, -1, -1):
-    after[i] = total
-    total += costs[i].weight_grad_bytes
-  return after
-
-
-def predict(costs, segments):
-  """The cost model: (peak bytes, seconds) of a training step under a plan."""
-  check_segments(segments, len(costs))
-  after = _grads_after(costs)
-  peak, retained, seconds = 0, 0, 0.0
-  for seg in segments:
-    seg_peak, seg_retained, seg_seconds = _segment_terms(costs, seg)
-    peak = max(peak, retained + after[seg.stop - 1] + seg_peak)
-    retained += seg_retained
-    seconds += seg_seconds
-  # The loss's gradient arrives while everything retained is still held.
-  peak = max(peak, retained + costs[-1].output_bytes)
-  return peak, seconds
-
-
-def check_segments(segments, n):
-  """Raises ValueError unless `segments` cover layers [0, n) in order."""
-  stops = [s.start for s in segments[1:]]
-  if (not segments or segments[0].start != 0 or segments[-1].stop != n or
-      [s.stop for s in segments[:-1]] != stops or
-      any(s.stop <= s.start for s in segments)):
-    raise errors.InvalidArgumentError(
-        f"segments must cover layers 0..{n} in order without gaps; got "
-        f"{segments}.")
-  kept_nested = [s for s in segments if s.nested and not s.remat]
-  if kept_nested:
-    raise errors.InvalidArgumentError(
-        f"Only a rematerialized segment can be nested (its layers' own "
-        f"layers rematerialized inside its rerun); got {kept_nested}. Give "
-        "remat=True, or nested=False.")
-
-
-def segment_policies(costs):
-  """The save policies measured for every layer of the chain."""
-  if not costs:
-    return ()
-  shared = set(costs[0].policy_costs)
-  for c in costs[1:]:
-    shared &= set(c.policy_costs)
-  return tuple(sorted(shared))
-
-
-def _candidates(n, policies=()):
-  """Segments worth considering: kept single layers, any remat range, fully
-  or under each policy."""
-  for start in range(n):
-    yield Segment(start, start + 1, False)
-    for stop in range(start + 1, n + 1):
-      yield Segment(start, stop, True)
-      for policy in policies:
-        yield Segment(start, stop, True, policy)
-
-
-def _segment_table(costs):
-  """Every candidate segment's `_segment_terms`, by its start: a list of
-  [(segment, (peak, retained, seconds))] per start. Computed once per chain
-  and shared by every budget searched."""
-  table = [[] for _ in costs]
-  for seg in _candidates(len(costs), segment_policies(costs)):
-    table[seg.start].append((seg, _segment_terms(costs, seg)))
-  return table
-
-
-def _fastest(costs, budget, table=None):
-  """The fastest plan with predicted peak <= budget, or None. `table`:
-  `_segment_table(costs)`, if already computed."""
-  n = len(costs)
-  after = _grads_after(costs)
-  table = _segment_table(costs) if table is None else table
-  # fronts[i]: Pareto-optimal (retained, seconds, segments) at position i.
-  fronts = [[] for _ in range(n + 1)]
-  fronts[0] = [(0, 0.0, ())]
-  for start in range(n):
-    front = sorted(fronts[start], key=lambda s: (s[0], s[1]))
-    pruned, best = [], math.inf
-    for state in front:  # Keep states that are faster than any with less R.
-      if state[1] < best:
-        pruned.append(state)
-        best = state[1]
-    for retained, seconds, segs in pruned:
-      for seg, (seg_peak, seg_retained, seg_seconds) in table[start]:
-        if retained + after[seg.stop - 1] + seg_peak > budget:
-          continue
-        fronts[seg.stop].append((retained + seg_retained,
-                                 seconds + seg_seconds, segs + (seg,)))
-  finals = [(seconds, segs) for retained, seconds, segs in fronts[n]
-            if retained + costs[-1].output_bytes <= budget]
-  return min(finals, key=lambda f: f[0])[1] if finals else None
-
-
-def _fits(costs, budget, table):
-  """Whether some plan's predicted peak is within `budget`."""
-  return _least_retained(costs, budget, table) is not None
-
-
-def _least_retained(costs, budget, table):
-  """The plan within `budget` (predicted) that retains the fewest bytes
-  between its segments' forward and backward passes (then the fastest of
-  those), or None when no plan fits.
-
-  Less retained is never worse for what follows, so the best state at each
-  position, over plans within the budget so far, decides: one per position
-  instead of `_fastest`'s (retained, time) fronts. Each state names the
-  segment that reached it; the plan is read back from the end.
-  """
-  after = _grads_after(costs)
-  best = [None] * (len(costs) + 1)  # (retained, seconds, last segment)
-  best[0] = (0, 0.0, None)
-  for start, candidates in enumerate(table):
-    if best[start] is None:
-      continue
-    retained, seconds, _ = best[start]
-    for seg, (seg_peak, seg_retained, seg_seconds) in candidates:
-      if retained + after[seg.stop - 1] + seg_peak > budget:
-        continue
-      state = (retained + seg_retained, seconds + seg_seconds, seg)
-      if best[seg.stop] is None or state[:2] < best[seg.stop][:2]:
-        best[seg.stop] = state
-  if best[-1] is None or best[-1][0] + costs[-1].output_bytes > budget:
-    return None
-  segments, stop = [], len(costs)
-  while stop:
-    segments.append(best[stop][2])
-    stop = segments[-1].start
-  return segments[::-1]
-
-
 def lowest_plan(costs):
   """The plan the model predicts to peak lowest: every layer rematerialized
   alone if that is among them, else the one among them that retains the
@@ -493,47 +164,12 @@ def lowest_plan(costs):
   9 parts, 21.8 MiB with every part alone, both at the model's floor). So
   the plan measured last, before a budget is refused, is this one.
   """
-  table = _segment_table(costs)
+  table = cost_model.segment_table(costs)
   need = smallest_budget(costs, table)
   alone = uniform_segments(len(costs), len(costs))
   if predict(costs, alone)[0] <= need:
     return Plan(costs, alone, need)
-  return Plan(costs, _least_retained(costs, need, table), need)
-
-
-def smallest_budget(costs, table=None):
-  """The smallest budget (bytes) for which some plan fits. `table`:
-  `_segment_table(costs)`, if already computed."""
-  table = _segment_table(costs) if table is None else table
-  lo, hi = 0, predict(costs, [Segment(0, len(costs), False)])[0]
-  hi = max(hi, predict(costs, uniform_segments(len(costs), len(costs)))[0])
-  while lo < hi:
-    mid = (lo + hi) // 2
-    if not _fits(costs, mid, table):
-      lo = mid + 1
-    else:
-      hi = mid
-  return lo
-
-
-# Short names of the built-in policies, for printouts.
-_SHORT = {
-    "dots_saveable": "dots",
-    "dots_with_no_batch_dims_saveable": "dots/nobatch",
-    "masks_saveable": "masks",
-    "dots_and_masks_saveable": "dots+masks",
-    "dots_with_no_batch_dims_and_masks_saveable": "dots/nob+masks",
-    "softmax_saveable": "softmax",
-    "masks_and_softmax_saveable": "masks+softmax",
-    "dots_masks_and_softmax_saveable": "dots+masks+softmax",
-    "dots_with_no_batch_dims_masks_and_softmax_saveable":
-        "dots/nob+masks+softmax",
-}
-
-
-def short_policy_name(policy):
-  """A built-in policy's short name for tables, e.g. "dots+masks"."""
-  return _SHORT.get(policy, policy)
+  return Plan(costs, cost_model.least_retained(costs, need, table), need)
 
 
 class Plan:
@@ -727,6 +363,92 @@ FASTER_BY = 0.03
 AIM_BELOW = 0.03
 
 
+@dataclasses.dataclass(frozen=True)
+class Fitted:
+  """What `fit_budget` chose.
+
+  Attributes:
+    choice: the candidate chosen (its key, as the search named it).
+    measured: its `Measured` peaks, allocator margin included.
+    keep: the same for the candidate that rematerializes nothing.
+    budget: the `Budget` asked for.
+    budget_bytes: the budget in bytes.
+  """
+  choice: object
+  measured: Measured
+  keep: Measured
+  budget: Budget
+  budget_bytes: int
+
+
+def fit_budget(budget, measured_peak, keep, search, rank, gradient_bytes=0,
+               refusal=None):
+  """tfremat's one budget search: `remat_sequential`, `remat_model` and
+  `remat_in_place_for_budget` all choose through it.
+
+  Candidates are hashable keys: a plan's segments, or how many layers are
+  rematerialized in place. Each is measured at most once, and held to its
+  bound (`Measured.with_margin`: the largest peak of its calls, plus their
+  spread, plus the allocator margin).
+
+  1. `keep`, the candidate that rematerializes nothing, is measured; a
+     fractional budget is a fraction of its largest peak.
+  2. A budget below the weight gradients plus their allocator margin is
+     refused at once (`gradients_floor_error`): no candidate can meet it.
+  3. `keep` is chosen if its bound fits, or if the budget is 100% of it.
+  4. `search(measure, budget_bytes)` tries candidates: `measure(key)`
+     returns a candidate's `Measured`.
+  5. Of the candidates measured whose bound fits and whose peak is not
+     above keep's (such a candidate is never worth its time), the first by
+     `rank` (the fastest) is chosen. If none fits, the budget is refused
+     (`unreachable_budget_error`, with `refusal`'s words).
+
+  Args:
+    budget: a `Budget`, or what `Budget.parse` reads.
+    measured_peak: key -> the per-call peaks of a training step under that
+      candidate (or a `Measured`, or one int).
+    keep: the key of the candidate that rematerializes nothing.
+    search: (measure, budget_bytes) -> None, as in step 4.
+    rank: key -> a sort key; lower runs faster.
+    gradient_bytes: the weight gradients' bytes, which every candidate's
+      step ends holding.
+    refusal: a function of no arguments returning keyword arguments for
+      `unreachable_budget_error` (`subject`, `terms`, `fix`), called only
+      when the budget is refused.
+
+  Returns:
+    A `Fitted`.
+
+  Raises:
+    ValueError: a `tfremat.errors.BudgetUnreachableError`.
+  """
+  budget = Budget.parse(budget)
+  tried = {}
+
+  def measure_once(key):
+    if key not in tried:
+      tried[key] = Measured.with_margin(measured_peak(key))
+    return tried[key]
+
+  kept = measure_once(keep)
+  budget_bytes = budget.bytes_given(kept.peak_bytes)
+  error = gradients_floor_error(budget, kept, gradient_bytes)
+  if error is not None:
+    raise error
+  if kept.bound_bytes <= budget_bytes or budget.fraction == 1.0:
+    return Fitted(keep, kept, kept, budget, budget_bytes)
+  search(measure_once, budget_bytes)
+  fitting = [key for key, m in tried.items()
+             if m.bound_bytes <= budget_bytes and
+             m.peak_bytes <= kept.peak_bytes]
+  if fitting:
+    chosen = min(fitting, key=rank)
+    return Fitted(chosen, tried[chosen], kept, budget, budget_bytes)
+  lowest = min(tried.values(), key=lambda m: m.bound_bytes)
+  raise unreachable_budget_error(budget, budget_bytes, kept.peak_bytes,
+                                 lowest, **(refusal() if refusal else {}))
+
+
 def calibrated_plan(costs, budget, measured_peak, rounds=4, nestable=None,
                     gradient_bytes=0, measured_ordered=None):
   """The plan for `budget`, chosen on measured peaks, not on the model alone.
@@ -735,7 +457,7 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4, nestable=None,
   chains and below on others (docs/benchmarks.md, "Measurements behind the
   defaults"). A model that is too high costs
   time (more is rematerialized than needed); one that is too low breaks the
-  budget. So:
+  budget. So, through `fit_budget`:
 
   1. Keeping everything is measured and chosen if its bound (`Measured`)
      fits, or if the budget is 100% of it. A budget below
@@ -769,7 +491,11 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4, nestable=None,
      fits.
 
   Args:
-    costs: the chain's LayerCosts.
+    costs: the chain's LayerCosts, a sequence. Its items are first read
+      after keeping everything is measured and the floor checked, so a
+      sequence that measures them on first access
+      (`tfremat.chain.checked_plan` passes one) refuses a budget out of
+      reach before any layer is measured.
     budget: a Budget, or what `Budget.parse` reads; a fraction is of the
       measured peak of keeping everything.
     measured_peak: segments -> the measured peaks of a training step of the
@@ -795,37 +521,41 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4, nestable=None,
       keep-everything peak (also its `lowest_fraction`), and what
       dominates it by the cost model.
   """
-  budget = Budget.parse(budget)
-  keep = Plan(costs, keep_all(len(costs)))
-  keep = keep.replace(measured=Measured.with_margin(
-      measured_peak(keep.segments)))
-  budget_bytes = budget.bytes_given(keep.measured.peak_bytes)
-  error = gradients_floor_error(budget, keep.measured, gradient_bytes)
-  if error is not None:
-    raise error
-  ordered = (None if measured_ordered is None else
-             lambda s: Measured.with_margin(measured_ordered(s)))
-  chosen = _calibrated(costs, keep, budget, budget_bytes,
-                       lambda s: Measured.with_margin(measured_peak(s)),
-                       rounds, nestable, ordered)
-  return chosen.replace(budget=budget, budget_bytes=budget_bytes,
-                        measured_keep=keep.measured)
+  def measured(key):
+    segments, ordered = key
+    return (measured_ordered if ordered else measured_peak)(list(segments))
+
+  def search(measure_it, budget_bytes):
+    _calibrated(list(costs), measure_it, budget_bytes, rounds, nestable,
+                ordered=measured_ordered is not None)
+
+  fitted = fit_budget(
+      budget, measured, (tuple(keep_all(len(costs))), False), search,
+      # The fastest by the model; of the same plan, the unordered one.
+      rank=lambda key: (predict(costs, list(key[0]))[1], key[1]),
+      gradient_bytes=gradient_bytes,
+      refusal=lambda: dict(terms=floor_terms(costs)))
+  segments, ordered = fitted.choice
+  return Plan(costs, list(segments), fitted.budget_bytes, fitted.budget,
+              ordered, fitted.measured, fitted.keep)
 
 
-def _calibrated(costs, keep, budget, budget_bytes, measured_peak, rounds,
-                nestable=None, measured_ordered=None):
-  """`calibrated_plan`'s search, from the measured keep-everything plan."""
-  # Keeping everything is the fastest plan; use it whenever it really fits,
-  # whatever the model predicts, and for 100% of itself.
-  if (keep.measured.bound_bytes <= budget_bytes or
-      (budget is not None and budget.fraction == 1.0)):
-    return keep
+def _calibrated(costs, measure_it, budget_bytes, rounds, nestable=None,
+                ordered=False):
+  """`calibrated_plan`'s search (its steps 2 to 5), once keeping everything
+  has not settled the budget: measures plans through
+  `measure_it((segments, ordered))`, which returns a `Measured`."""
+  keep_segments = keep_all(len(costs))
+  keep = measure_it((tuple(keep_segments), False))  # Measured already.
+  keep_peak, keep_seconds = predict(costs, keep_segments)
+
+  def fits(m):
+    return m.bound_bytes <= budget_bytes and m.peak_bytes <= keep.peak_bytes
+
   # Each plan's margin is a fraction of its own peak: the room for peaks.
-  room = peak_for_bound(budget_bytes)
-  aim = int(room * (1 - AIM_BELOW))
-  scale = keep.peak_bytes / max(
-      1, keep.measured.bound_bytes - keep.measured.margin_bytes)
-  target, tried = int(aim * scale), {}
+  aim = int(peak_for_bound(budget_bytes) * (1 - AIM_BELOW))
+  target = int(aim * keep_peak / max(1, keep.bound_bytes - keep.margin_bytes))
+  tried = {}  # Segments -> (predicted seconds, Measured).
   # The plan the model predicts to peak lowest, made once if needed.
   floor_plan = functools.cache(lambda: lowest_plan(costs))
   for _ in range(rounds):
@@ -840,59 +570,35 @@ def _calibrated(costs, keep, budget, budget_bytes, measured_peak, rounds,
     key = tuple(chosen.segments)
     if key in tried:
       break  # Converged: this target gives a plan already measured.
-    fastest = min((p.seconds for p in tried.values()
-                   if p.measured.bound_bytes <= budget_bytes), default=None)
+    fastest = min((s for s, m in tried.values()
+                   if m.bound_bytes <= budget_bytes), default=None)
     if (fastest is not None and
-        chosen.seconds > fastest - FASTER_BY * keep.seconds):
+        chosen.seconds > fastest - FASTER_BY * keep_seconds):
       break  # Not worth measuring: too little faster than one that fits.
-    chosen = chosen.replace(measured=measured_peak(chosen.segments))
-    tried[key] = chosen
+    measured = measure_it((key, False))
+    tried[key] = (chosen.seconds, measured)
     # Recalibrate: the target at which the model's peak, scaled by this
     # plan's measured bound / predicted peak (less margin), meets the aim.
-    bound = max(1, chosen.measured.bound_bytes - chosen.measured.margin_bytes)
+    bound = max(1, measured.bound_bytes - measured.margin_bytes)
     scaled = int(chosen.peak_bytes * aim / bound)
-    if chosen.measured.bound_bytes > budget_bytes:
+    if measured.bound_bytes > budget_bytes:
       target = min(scaled, chosen.peak_bytes - 1)  # Below this plan.
     elif scaled > target:
       target = scaled  # Room left: try a faster plan.
     else:
       break  # It fits, and no faster plan is predicted to.
-  fitting = _fitting(tried, keep, budget_bytes)
-  if not fitting:
-    fitting = _lowest_fitting(costs, tried, keep, budget_bytes,
-                              measured_peak, floor_plan(), nestable,
-                              measured_ordered)
-  if fitting:
-    return min(fitting, key=lambda p: p.seconds)
-  lowest = min(tried.values(), key=lambda p: p.measured.bound_bytes)
-  raise unreachable_budget_error(costs, budget, budget_bytes,
-                                 keep.measured.peak_bytes, lowest.measured)
-
-
-def _lowest_fitting(costs, tried, keep, budget_bytes, measured_peak, floor,
-                    nestable, measured_ordered=None):
-  """Before refusing: `floor`, the plan the model predicts to peak lowest,
-  if the rounds did not get down to it (plans near the budget measured over
-  it, and each round lowered the target only a little); then, if it does
-  not fit, the same plan nested, lower still and slower. With
-  `measured_ordered`, each is also tried ordered, right after it is tried
-  unordered. Measures into `tried`; returns the plans that fit."""
-  for segments in (floor.segments, _nested(floor.segments, nestable)):
-    if not segments:
-      continue
-    tries = [(False, measured_peak)]
-    if measured_ordered is not None:
-      tries.append((True, measured_ordered))
-    for ordered, measure_it in tries:
-      key = (tuple(segments), ordered) if ordered else tuple(segments)
-      if key in tried:
-        continue
-      tried[key] = Plan(costs, segments, ordered=ordered,
-                        measured=measure_it(segments))
-      fitting = _fitting(tried, keep, budget_bytes)
-      if fitting:
-        return fitting
-  return []
+  if any(fits(m) for _, m in tried.values()):
+    return
+  # Before refusing: the plan the model predicts to peak lowest, if the
+  # rounds did not get down to it (plans near the budget measured over it,
+  # and each round lowered the target only a little); then, if it does not
+  # fit, the same plan nested, lower still and slower. Each is tried
+  # ordered too, right after it is tried unordered.
+  lowest = floor_plan().segments
+  for segments in (lowest, _nested(lowest, nestable)):
+    for in_order in (False, True)[:1 + bool(ordered)]:
+      if segments and fits(measure_it((tuple(segments), in_order))):
+        return
 
 
 def _nested(segments, nestable):
@@ -912,14 +618,6 @@ def _nested(segments, nestable):
   return nested
 
 
-def _fitting(tried, keep, budget_bytes):
-  """The measured plans whose bound fits, never above keeping everything's
-  peak (such a plan is never worth its time)."""
-  return [p for p in tried.values()
-          if p.measured.bound_bytes <= budget_bytes and
-          p.measured.peak_bytes <= keep.measured.peak_bytes]
-
-
 def floor_terms(costs):
   """What a training step holds however much is rematerialized, by the cost
   model: (description, bytes) pairs, largest first."""
@@ -937,9 +635,24 @@ def floor_terms(costs):
   return sorted(terms, key=lambda t: -t[1])
 
 
-def unreachable_budget_error(costs, budget, budget_bytes, keep_peak, lowest):
-  """The ValueError for a budget below `lowest`, the lowest bound measured:
-  bytes, or that plan's `Measured`, whose parts the message then gives."""
+def unreachable_budget_error(budget, budget_bytes, keep_peak, lowest,
+                             subject="No rematerialization plan fits",
+                             terms=(),
+                             fix="shrink the batch or the widest layer"):
+  """The ValueError for a budget below `lowest`, the lowest bound measured
+  (`fit_budget`'s one refusal).
+
+  Args:
+    budget: the Budget asked for.
+    budget_bytes: the budget in bytes.
+    keep_peak: the measured peak of keeping everything.
+    lowest: the lowest bound measured: bytes, or that candidate's
+      `Measured`, whose parts the message then gives.
+    subject: what did not fit, as the message's first words.
+    terms: (what, bytes) pairs that every candidate holds, by the cost
+      model (`floor_terms`), for the message.
+    fix: what else to do besides raising the budget.
+  """
   mib = measure.format_bytes
   asked = (f"{budget.fraction:.0%} of the keep-everything peak, "
            if budget is not None and budget.fraction is not None else "")
@@ -950,15 +663,14 @@ def unreachable_budget_error(costs, budget, budget_bytes, keep_peak, lowest):
              f"allocator margin, {mib(lowest.margin_bytes)} "
              "(tfremat.planner.ALLOCATOR_MARGIN of its peak)")
     lowest = lowest.bound_bytes
-  terms = "; ".join(f"{what}: {mib(n)}" for what, n in floor_terms(costs))
+  held = "; ".join(f"{what}: {mib(n)}" for what, n in terms)
+  held = f" What every plan holds, by the cost model: {held}." if held else ""
+  least = lowest / max(1, keep_peak)
   return errors.BudgetUnreachableError.of(
-      f"No rematerialization plan fits a budget of {asked}{mib(budget_bytes)}:"
-      f" the lowest bound measured is {mib(lowest)}, "
-      f"{lowest / max(1, keep_peak):.0%} of the "
-      f"measured keep-everything peak ({mib(keep_peak)}){parts}. What every "
-      f"plan holds, by the cost model: {terms}. Raise the budget to at least "
-      f"{lowest / max(1, keep_peak):.0%}, or shrink the batch or the widest "
-      "layer.", lowest, keep_peak)
+      f"{subject} a budget of {asked}{mib(budget_bytes)}: the lowest bound "
+      f"measured is {mib(lowest)}, {least:.0%} of the measured "
+      f"keep-everything peak ({mib(keep_peak)}){parts}.{held} Raise the "
+      f"budget to at least {least:.0%}, or {fix}.", lowest, keep_peak)
 
 
 def gradients_floor_error(budget, keep, gradient_bytes):
@@ -1007,7 +719,7 @@ def plan(costs, budget_bytes):
   Raises:
     ValueError: no plan fits; the message gives the smallest budget that does.
   """
-  segments = _fastest(costs, budget_bytes)
+  segments = cost_model.fastest(costs, budget_bytes)
   if segments is None:
     raise infeasible_budget_error(budget_bytes, smallest_budget(costs))
   return Plan(costs, segments, budget_bytes)
@@ -1026,21 +738,3 @@ def infeasible_budget_error(budget_bytes, need, estimated_by=None):
       f"({budget_bytes / 2**20:.1f} MiB); the smallest budget that works for "
       f"this chain is {about}{need} bytes ({need / 2**20:.1f} MiB){how}. "
       "Raise the budget, or shrink the batch or the layers.")
-
-
-def keep_all(num_layers):
-  """The plan that rematerializes nothing."""
-  return [Segment(i, i + 1, False) for i in range(num_layers)]
-
-
-def uniform_segments(num_layers, segments):
-  """`segments` (an int, or "sqrt") equal rematerialized segments."""
-  if segments == "sqrt":
-    segments = max(1, round(math.sqrt(num_layers)))
-  if (not isinstance(segments, int) or isinstance(segments, bool) or
-      not 1 <= segments <= max(1, num_layers)):
-    raise errors.InvalidArgumentError(
-        f"segments must be an int from 1 to the number of layers "
-        f"({num_layers}) or \"sqrt\"; got {segments!r}.")
-  bounds = [round(i * num_layers / segments) for i in range(segments + 1)]
-  return [Segment(lo, hi, True) for lo, hi in zip(bounds, bounds[1:])]

@@ -296,8 +296,14 @@ def _is_conv(op_type):
   return bool(_CONVS.fullmatch(op_type))
 
 
+def is_dot_type(op_type):
+  """Whether ops of `op_type` are what the dots policies save: matrix
+  products and convolutions (the planner's printouts name them "dots")."""
+  return op_type in _MATMULS or op_type == "Einsum" or _is_conv(op_type)
+
+
 def _is_dot(op):
-  return op.type in _MATMULS or op.type == "Einsum" or _is_conv(op.type)
+  return is_dot_type(op.type)
 
 
 def _has_batch_dims(op):

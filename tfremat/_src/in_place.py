@@ -24,7 +24,7 @@ from tfremat import measure
 from tfremat import planner
 from tfremat import policies
 from tfremat._src import remat
-from tfremat._src.layers import refuse_keras2
+from tfremat._src.layers import keras_layers
 
 __all__ = [
     "remat_in_place",
@@ -38,25 +38,6 @@ __all__ = [
 _MARK = "_tfremat_remat_mode_before"
 # Set on a layer rematerialized with nested=True: the sublayers it nested.
 _NESTED = "_tfremat_nested_sublayers"
-
-
-def _layers(layers, caller):
-  """`layers` as a list of Keras 3 layers, or a clear error."""
-  if isinstance(layers, keras.layers.Layer):
-    layers = [layers]
-  try:
-    layers = list(layers)
-  except TypeError:
-    layers = [layers]
-  for layer in layers:
-    refuse_keras2(layer, caller)
-    if (not isinstance(layer, keras.layers.Layer) or
-        isinstance(layer, keras.layers.InputLayer)):
-      raise errors.InvalidTypeError(
-          f"{caller} takes Keras layers (or a list of them), such as a "
-          "KerasHub backbone's `transformer_layers`; got "
-          f"{type(layer).__name__}: {layer!r}.")
-  return layers
 
 
 def _hook_missing():
@@ -112,7 +93,7 @@ def remat_in_place(layers, policy=None, nested=False):
     RuntimeError: a Keras without the layer hook this relies on (Keras
       3.9 added it).
   """
-  layers = _layers(layers, "remat_in_place")
+  layers = keras_layers(layers, "remat_in_place")
   if policy is not None:
     policies.get(policy)
   if _hook_missing():
@@ -186,7 +167,7 @@ def _mark(layer, policy):
 def undo_remat_in_place(layers):
   """Undoes `remat_in_place` on `layers` (and on the sublayers it nested in
   them): they run as they did before."""
-  for layer in _layers(layers, "undo_remat_in_place"):
+  for layer in keras_layers(layers, "undo_remat_in_place"):
     for sublayer in getattr(layer, _NESTED, ()):
       _unmark(sublayer)
     if hasattr(layer, _NESTED):
@@ -287,9 +268,9 @@ def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
   chain of repeated blocks, which ones matters little), whose bound fits.
   If even all of them do not fit, it measures them nested
   (`remat_in_place(layers, nested=True)`: slower, lower), unless `nested`
-  is False. A bound is what a planned chain's is
-  (`tfremat.planner.Measured`): the largest peak of `calls` steps, plus
-  their spread, plus the allocator margin. Every variable of the model and
+  is False. It chooses as a planned chain does (`tfremat.planner.fit_budget`):
+  a choice's bound (`tfremat.planner.Measured`) is the largest peak of
+  `calls` steps, plus their spread, plus the allocator margin. Every variable of the model and
   of its optimizer is put back after measuring, and the model's train
   function is traced anew.
 
@@ -315,7 +296,7 @@ def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
       message and its `lowest_fraction` give the lowest fraction measured),
       or the model is not compiled.
   """
-  layers = _layers(layers, "remat_in_place_for_budget")
+  layers = keras_layers(layers, "remat_in_place_for_budget")
   budget = planner.Budget.parse(budget)
   if not isinstance(nested, bool):
     raise errors.InvalidTypeError(
@@ -327,73 +308,61 @@ def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
     raise errors.InvalidArgumentError(
         "remat_in_place_for_budget measures model.train_on_batch: compile "
         "the model first (model.compile(optimizer=..., loss=...)).")
-  state = _state(model)
-  saved = [v.numpy() for v in state]
+  n = len(layers)
 
-  def peaks(k, nest=False):
+  def peaks(key):
+    count, nest = key
     undo_remat_in_place(layers)
-    if k:
-      remat_in_place(layers[:k], policy=policy, nested=nest)
+    if count:
+      remat_in_place(layers[:count], policy=policy, nested=nest)
     model.make_train_function(force=True)
     try:
       return measure.peaks(model.train_on_batch, x, y, calls=calls)
     finally:
-      for v, value in zip(state, saved):
-        v.assign(value)
+      snapshot.restore()
       model.reset_metrics()
 
-  try:
-    keep_peaks = peaks(0)
-    keep = planner.Measured.with_margin(keep_peaks)
-    budget_bytes = budget.bytes_given(keep.peak_bytes)
-    found, (count, nest) = _fewest_that_fit(
-        lambda k, nest=False: planner.Measured.with_margin(peaks(k, nest)),
-        keep, len(layers), budget_bytes, nested)
-  finally:
-    undo_remat_in_place(layers)
-  if found[count, nest].bound_bytes > budget_bytes:
-    lowest = min(found.values(), key=lambda m: m.bound_bytes)
-    tried = "rematerialized, and nested," if nested else "rematerialized"
-    raise errors.BudgetUnreachableError.of(
-        f"remat_in_place_for_budget: with all {len(layers)} layer(s) "
-        f"{tried} the training step's lowest bound is "
-        f"{measure.format_bytes(lowest.bound_bytes)}, "
-        f"{lowest.bound_bytes / keep.peak_bytes:.0%} of the peak "
-        f"without ({measure.format_bytes(keep.peak_bytes)}), above the "
-        f"budget of {measure.format_bytes(budget_bytes)}. Raise the budget, "
-        "give more of the model's layers, a save policy that keeps less, or "
-        "a smaller batch.", lowest.bound_bytes, keep.peak_bytes)
+  tried = "rematerialized, and nested," if nested else "rematerialized,"
+  with measure.restoring(_state(model)) as snapshot:
+    try:
+      fitted = planner.fit_budget(
+          budget, peaks, (0, False),
+          lambda measured, budget_bytes: _fewest_that_fit(
+              measured, budget_bytes, n, nested),
+          rank=lambda key: (key[1], key[0]),  # Unnested, then fewest.
+          refusal=lambda: dict(
+              subject=(f"remat_in_place_for_budget: with all {n} layer(s) "
+                       f"{tried} nothing fits"),
+              fix=("give more of the model's layers, a save policy that "
+                   "keeps less, or a smaller batch")))
+    finally:
+      undo_remat_in_place(layers)
+  count, nest = fitted.choice
   if count:
     remat_in_place(layers[:count], policy=policy, nested=nest)
   model.make_train_function(force=True)
-  return InPlaceBudget(layers[:count], found[count, nest], keep,
-                       budget_bytes, nested=nest)
+  return InPlaceBudget(layers[:count], fitted.measured, fitted.keep,
+                       fitted.budget_bytes, nested=nest)
 
 
-def _fewest_that_fit(measured, keep, n, budget_bytes, nested):
-  """`remat_in_place_for_budget`'s search over the first k of n layers.
+def _fewest_that_fit(measured, budget_bytes, n, nested):
+  """`remat_in_place_for_budget`'s search (`planner.fit_budget` measures and
+  chooses): the fewest of the first k of n layers whose bound fits, by
+  halving, then, if all n do not fit and `nested`, all n nested.
+  `measured((k, nest))` measures a step with the first k rematerialized."""
+  def fits(k, nest=False):
+    return measured((k, nest)).bound_bytes <= budget_bytes
 
-  `measured(k, nest)` measures the step with the first k rematerialized
-  (nested if `nest`). Returns every (k, nest) measured, with its
-  `planner.Measured`, and the one chosen: the fewest that fit, else the
-  last one tried.
-  """
-  found = {(0, False): keep}
-  if keep.bound_bytes <= budget_bytes:
-    return found, (0, False)
-  found[n, False] = measured(n)
-  low, high = 0, n  # low does not fit; high may.
-  while high - low > 1 and found[high, False].bound_bytes <= budget_bytes:
+  if not fits(n):
+    if nested:
+      # Every layer alone is over: each layer's rerun holds all of its own
+      # layers' working sets at once; nested, one at a time.
+      measured((n, True))
+    return
+  low, high = 0, n  # low does not fit; high does.
+  while high - low > 1:
     middle = (low + high) // 2
-    found[middle, False] = measured(middle)
-    if found[middle, False].bound_bytes <= budget_bytes:
+    if fits(middle):
       high = middle
     else:
       low = middle
-  chosen = (high, False)
-  if found[chosen].bound_bytes > budget_bytes and nested:
-    # Every layer alone is over: each layer's rerun holds all of its own
-    # layers' working sets at once; nested, one at a time.
-    chosen = (n, True)
-    found[chosen] = measured(n, True)
-  return found, chosen

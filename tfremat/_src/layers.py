@@ -19,6 +19,7 @@ from tfremat._src import remat
 __all__ = [
     "RematerializationLayer",
     "refuse_keras2",
+    "keras_layers",
 ]
 
 
@@ -39,6 +40,41 @@ def refuse_keras2(obj, caller):
       "(`import keras`, Keras 3). Build the model with Keras 3, or keep Keras "
       "2 and rematerialize a block's call in your training step with "
       "tfremat.RematerializeFn(lambda h: block(h, training=True), x).")
+
+
+def keras_layers(layers, caller, chain=False):
+  """`layers` as a non-empty list of Keras 3 layers, or a TypeError that
+  names what was given.
+
+  `layers` is an iterable of layers, or one layer. With `chain` (a chain of
+  layers, each taking the previous one's output), a `keras.Sequential`
+  gives its own layers and any other single layer is refused: one layer
+  alone is not a chain, and a model is not its layers. Without, one layer
+  is a list of one.
+  """
+  if chain and isinstance(layers, keras.Sequential):
+    layers = layers.layers
+  elif isinstance(layers, keras.layers.Layer):
+    if chain:
+      raise errors.InvalidTypeError(
+          f"{caller} needs a list of Keras layers or a keras.Sequential; got "
+          f"one {type(layers).__name__}. Pass [layer] for a chain of one.")
+    layers = [layers]
+  try:
+    layers = list(layers)
+  except TypeError:
+    layers = [layers]
+  for layer in layers:
+    refuse_keras2(layer, caller)
+  bad = [l for l in layers if not isinstance(l, keras.layers.Layer) or
+         isinstance(l, keras.layers.InputLayer)]
+  if not layers or bad:
+    raise errors.InvalidTypeError(
+        f"{caller} takes Keras layers (a non-empty list of them"
+        f"{', or a keras.Sequential' if chain else ''}), such as a KerasHub "
+        "backbone's `transformer_layers`; got "
+        f"{', '.join(f'{type(l).__name__}: {l!r}' for l in bad) or 'none'}.")
+  return layers
 
 
 def _unquantized(policy):

@@ -771,11 +771,8 @@ def _planned(model, budget, sample_input, policy_names, verbose, mode,
         "remat_model: with budget= the planner chooses what to "
         "rematerialize and under which policy; leave mode, policy and "
         "layer_names unset (name the policies it may use with policies=).")
-  policy_names = chain_lib.planned_policies(policy_names)
-  budget = planner.Budget.parse(budget)
-  if sample_input is None:
-    raise errors.InvalidArgumentError("remat_model: budget needs sample_input, a batch like "
-                     "those the model trains on.")
+  budget, policy_names = chain_lib.planning_arguments(
+      "remat_model", budget, sample_input, policy_names)
   parts = _ModelChain.of(model)
   if parts is None:
     raise errors.InvalidArgumentError(

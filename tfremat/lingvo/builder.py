@@ -130,15 +130,9 @@ class Base:
                 for s in planner.uniform_segments(len(subs), segments)]
       policies_lib.get(policy)
     else:
-      if policy is not None:
-        raise errors.InvalidArgumentError(
-            "_RematerializeSeq: with a budget the planner chooses each "
-            "segment's policy; name the choices with policies=[...].")
-      policies = chain_lib.planned_policies(policies)
-      budget = planner.Budget.parse(budget)  # Before instantiating anything.
-      if sample_input is None:
-        raise errors.InvalidArgumentError("_RematerializeSeq: budget needs sample_input, a "
-                         "batch to measure the sub-layers on.")
+      # Checked before instantiating anything.
+      budget, policies = chain_lib.planning_arguments(
+          "_RematerializeSeq", budget, sample_input, policies, policy)
       chosen = checked_plan([p.Instantiate() for p in subs], budget,
                             sample_input, policies=policies).segments
     parts = []

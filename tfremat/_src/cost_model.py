@@ -1,0 +1,425 @@
+"""The planner's cost model: what each layer of a chain costs, the plans
+(segments) a chain can run under, and the exact search for the fastest plan
+whose predicted peak fits a number of bytes.
+
+Pure: it computes with measured costs and never measures. Its public names
+are `tfremat.planner`'s; `tfremat.planner` holds plans, their measured
+bounds and the budget search.
+"""
+
+import dataclasses
+import math
+import re
+import numpy as np
+
+from tfremat import errors
+from tfremat import measure
+from tfremat import policies as policies_lib
+
+__all__ = [
+    "LayerCost",
+    "Segment",
+    "Budget",
+    "predict",
+    "check_segments",
+    "segment_policies",
+    "segment_table",
+    "fastest",
+    "fits",
+    "least_retained",
+    "smallest_budget",
+    "short_policy_name",
+    "keep_all",
+    "uniform_segments",
+]
+
+@dataclasses.dataclass(frozen=True)
+class LayerCost:
+  """What one layer of a chain costs in a training step.
+
+  Attributes:
+    name: the layer's name.
+    forward_seconds: one forward call, training mode.
+    backward_seconds: the gradient computation alone (forward + backward
+      minus forward).
+    input_bytes: its input (the previous layer's output).
+    output_bytes: its output.
+    saved_bytes: what its forward pass keeps for its backward pass beyond its
+      output, when it is not rematerialized.
+    forward_transient_bytes: the forward pass's peak above its inputs,
+      output and saved tensors.
+    backward_transient_bytes: the backward pass's peak above what it holds
+      (saved tensors, output, incoming and outgoing gradients, weight
+      gradients).
+    weight_grad_bytes: its weight gradients (held until the step ends).
+    waiting_recompute_seconds: what its recompute costs beyond
+      `forward_seconds` when it is not the last layer of a rematerialized
+      segment, so that its recomputed tensors wait while the later layers'
+      are recomputed (measured chain-wide by `measure_chain`).
+    policy_costs: per save policy name (`tfremat.policies.PLANNED`), a pair
+      [kept bytes, recompute seconds]: what the layer's forward pass keeps
+      under the policy when rematerialized (beyond its output), and what
+      rematerializing it under the policy adds to a training step's time
+      (measured, like the rest, by `measure_chain`).
+    policy_keeps: per save policy name, what it keeps of this layer by
+      kind, for printouts: "dots", "masks", "softmax", other op types joined
+      with "+", or "nothing" (a softmax policy on a layer without softmax).
+  """
+  name: str
+  forward_seconds: float
+  backward_seconds: float
+  input_bytes: int
+  output_bytes: int
+  saved_bytes: int
+  forward_transient_bytes: int
+  backward_transient_bytes: int
+  weight_grad_bytes: int
+  waiting_recompute_seconds: float = 0.0
+  policy_costs: dict = dataclasses.field(default_factory=dict)
+  policy_keeps: dict = dataclasses.field(default_factory=dict)
+
+  def recompute_seconds(self, policy=None):
+    """What rematerializing this layer adds to a step (before waiting)."""
+    if policy is None:
+      return self.forward_seconds
+    return self.policy_costs[policy][1]
+
+  def kept_bytes(self, policy=None):
+    """What a rematerialized forward pass keeps beyond its output."""
+    return 0 if policy is None else self.policy_costs[policy][0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+  """Layers [start, stop) of the chain, rematerialized or kept.
+
+  `policy` is the save policy a rematerialized segment runs under
+  (`tfremat.policies`: a built-in's name, or a policy value such as
+  `save_only_these_names(...)`), or None: everything is recomputed.
+  `nested`, for a rematerialized segment: each of its layers' own layers
+  (one level down, as `tfremat.remat_in_place(..., nested=True)` takes them;
+  for a unit that wraps one layer, that layer's: `tfremat.chain.nest_target`)
+  are rematerialized too, inside the segment's rerun, under the same policy.
+  The cost model does not model nesting: it predicts a nested segment as
+  the same segment not nested.
+  """
+  start: int
+  stop: int
+  remat: bool
+  policy: object = None
+  nested: bool = False
+
+  def __post_init__(self):
+    if isinstance(self.policy, dict):  # A policy's config, as saved.
+      object.__setattr__(self, "policy",
+                         policies_lib.deserialize(self.policy))
+
+  def as_list(self):
+    """[start, stop, remat], then the policy (`tfremat.policies.serialize`)
+    if there is one, and True if nested (after the policy, None if there
+    is none): JSON-able."""
+    items = [self.start, self.stop, self.remat]
+    policy = policies_lib.serialize(self.policy)
+    if self.nested:
+      return items + [policy, True]
+    return items + [policy] if policy is not None else items
+
+
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10,
+          "mib": 2**20, "gib": 2**30}
+_BUDGET_FORMS = (
+    "bytes as an int (200 * 2**20), a string with a unit (\"200MiB\", "
+    "\"1.5GB\"), or a fraction of the measured keep-everything peak as a "
+    "float in (0, 1] (0.5) or a percentage (\"50%\")")
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+  """A memory budget for a training step's peak: `num_bytes`, or `fraction`
+  of the measured peak of keeping everything. Made by `Budget.parse`."""
+  num_bytes: int = None
+  fraction: float = None
+
+  @classmethod
+  def parse(cls, value):
+    """A Budget from what a person writes: 200 * 2**20, "200MiB", 0.5,
+    "50%". Raises TypeError or ValueError naming the accepted forms."""
+    if isinstance(value, Budget):
+      return value
+    if isinstance(value, (bool, np.bool_)):
+      raise errors.InvalidTypeError(f"A budget is {_BUDGET_FORMS}; got {value!r}.")
+    if isinstance(value, (int, np.integer)):
+      if value <= 0:
+        raise errors.InvalidArgumentError(f"A budget must be positive; got {value} bytes.")
+      return cls(num_bytes=int(value))
+    if isinstance(value, (float, np.floating)):
+      if not 0 < value <= 1:  # Also NaN.
+        raise errors.InvalidArgumentError(
+            f"A float budget is a fraction of the keep-everything peak, in "
+            f"(0, 1]; got {value!r}. Give bytes as an int or a string such as "
+            "\"200MiB\".")
+      return cls(fraction=float(value))
+    if isinstance(value, str):
+      match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(%|[a-zA-Z]*)\s*",
+                           value)
+      unit = match and match.group(2).lower()
+      if match and unit == "%":
+        if not 0 < float(match.group(1)) <= 100:
+          raise errors.InvalidArgumentError(
+              f"A percentage budget must be in (0%, 100%]; got {value!r}.")
+        return cls(fraction=float(match.group(1)) / 100)
+      if match and unit in _UNITS or match and not unit:
+        return cls.parse(int(float(match.group(1)) * _UNITS[unit or "b"]))
+      raise errors.InvalidArgumentError(f"A budget is {_BUDGET_FORMS}; got {value!r}.")
+    raise errors.InvalidTypeError(f"A budget is {_BUDGET_FORMS}; got {value!r}.")
+
+  def bytes_given(self, keep_everything_bytes):
+    """The budget in bytes, given the measured peak of keeping everything."""
+    if self.num_bytes is not None:
+      return self.num_bytes
+    return int(self.fraction * keep_everything_bytes)
+
+  def __str__(self):
+    if self.num_bytes is not None:
+      return measure.format_bytes(self.num_bytes)
+    return f"{self.fraction:.0%} of the keep-everything peak"
+
+
+def _segment_terms(costs, seg):
+  """(peak above retained-before, retained after, seconds) of one segment.
+
+  The peak term excludes the bytes retained by earlier segments and the
+  weight gradients of later layers, which `predict` adds.
+  """
+  layers = costs[seg.start:seg.stop]
+  policy = seg.policy if seg.remat else None
+  peak, held, kept = 0, 0, 0
+  # Forward.
+  for i, c in enumerate(layers):
+    if seg.remat:
+      # Only the previous in-segment output is live while this layer runs,
+      # and what the policy kept of the earlier ones.
+      prev = layers[i - 1].output_bytes if i else 0
+      peak = max(peak, kept + prev + c.output_bytes + c.saved_bytes +
+                 c.forward_transient_bytes)
+      kept += c.kept_bytes(policy)
+    else:
+      peak = max(peak, held + c.output_bytes + c.saved_bytes +
+                 c.forward_transient_bytes)
+      held += c.output_bytes + c.saved_bytes
+  retained = held if not seg.remat else layers[-1].output_bytes + kept
+  # Backward: recompute first when rematerialized; the segment's incoming
+  # gradient is live from then on, and so is what the policy kept.
+  dy = layers[-1].output_bytes
+  held = 0
+  for c in layers:
+    if seg.remat:
+      # What the policy kept of this and later layers is live too; what it
+      # kept of earlier ones is now part of `held`.
+      kept -= c.kept_bytes(policy)
+      peak = max(peak, kept + dy + held + c.output_bytes + c.saved_bytes +
+                 c.forward_transient_bytes)
+    held += c.output_bytes + c.saved_bytes
+  grads = 0
+  for c in reversed(layers):
+    peak = max(peak, held + c.output_bytes + c.input_bytes + grads +
+               c.weight_grad_bytes + c.backward_transient_bytes)
+    held -= c.output_bytes + c.saved_bytes
+    grads += c.weight_grad_bytes
+  seconds = sum(c.forward_seconds + c.backward_seconds for c in layers)
+  if seg.remat:
+    seconds += sum(c.recompute_seconds(policy) for c in layers)
+    # Waiting grows with what is recomputed: scaled by the policy's share.
+    seconds += sum(
+        c.waiting_recompute_seconds *
+        min(1.0, c.recompute_seconds(policy) / max(c.forward_seconds, 1e-12))
+        for c in layers[:-1])
+  return peak, retained, seconds
+
+
+def _grads_after(costs):
+  after, total = [0] * len(costs), 0
+  for i in range(len(costs) - 1, -1, -1):
+    after[i] = total
+    total += costs[i].weight_grad_bytes
+  return after
+
+
+def predict(costs, segments):
+  """The cost model: (peak bytes, seconds) of a training step under a plan."""
+  check_segments(segments, len(costs))
+  after = _grads_after(costs)
+  peak, retained, seconds = 0, 0, 0.0
+  for seg in segments:
+    seg_peak, seg_retained, seg_seconds = _segment_terms(costs, seg)
+    peak = max(peak, retained + after[seg.stop - 1] + seg_peak)
+    retained += seg_retained
+    seconds += seg_seconds
+  # The loss's gradient arrives while everything retained is still held.
+  peak = max(peak, retained + costs[-1].output_bytes)
+  return peak, seconds
+
+
+def check_segments(segments, n):
+  """Raises ValueError unless `segments` cover layers [0, n) in order."""
+  stops = [s.start for s in segments[1:]]
+  if (not segments or segments[0].start != 0 or segments[-1].stop != n or
+      [s.stop for s in segments[:-1]] != stops or
+      any(s.stop <= s.start for s in segments)):
+    raise errors.InvalidArgumentError(
+        f"segments must cover layers 0..{n} in order without gaps; got "
+        f"{segments}.")
+  kept_nested = [s for s in segments if s.nested and not s.remat]
+  if kept_nested:
+    raise errors.InvalidArgumentError(
+        f"Only a rematerialized segment can be nested (its layers' own "
+        f"layers rematerialized inside its rerun); got {kept_nested}. Give "
+        "remat=True, or nested=False.")
+
+
+def segment_policies(costs):
+  """The save policies measured for every layer of the chain."""
+  if not costs:
+    return ()
+  shared = set(costs[0].policy_costs)
+  for c in costs[1:]:
+    shared &= set(c.policy_costs)
+  return tuple(sorted(shared))
+
+
+def _candidates(n, policies=()):
+  """Segments worth considering: kept single layers, any remat range, fully
+  or under each policy."""
+  for start in range(n):
+    yield Segment(start, start + 1, False)
+    for stop in range(start + 1, n + 1):
+      yield Segment(start, stop, True)
+      for policy in policies:
+        yield Segment(start, stop, True, policy)
+
+
+def segment_table(costs):
+  """Every candidate segment's `_segment_terms`, by its start: a list of
+  [(segment, (peak, retained, seconds))] per start. Computed once per chain
+  and shared by every budget searched."""
+  table = [[] for _ in costs]
+  for seg in _candidates(len(costs), segment_policies(costs)):
+    table[seg.start].append((seg, _segment_terms(costs, seg)))
+  return table
+
+
+def fastest(costs, budget, table=None):
+  """The fastest plan with predicted peak <= budget, or None. `table`:
+  `segment_table(costs)`, if already computed."""
+  n = len(costs)
+  after = _grads_after(costs)
+  table = segment_table(costs) if table is None else table
+  # fronts[i]: Pareto-optimal (retained, seconds, segments) at position i.
+  fronts = [[] for _ in range(n + 1)]
+  fronts[0] = [(0, 0.0, ())]
+  for start in range(n):
+    front = sorted(fronts[start], key=lambda s: (s[0], s[1]))
+    pruned, best = [], math.inf
+    for state in front:  # Keep states that are faster than any with less R.
+      if state[1] < best:
+        pruned.append(state)
+        best = state[1]
+    for retained, seconds, segs in pruned:
+      for seg, (seg_peak, seg_retained, seg_seconds) in table[start]:
+        if retained + after[seg.stop - 1] + seg_peak > budget:
+          continue
+        fronts[seg.stop].append((retained + seg_retained,
+                                 seconds + seg_seconds, segs + (seg,)))
+  finals = [(seconds, segs) for retained, seconds, segs in fronts[n]
+            if retained + costs[-1].output_bytes <= budget]
+  return min(finals, key=lambda f: f[0])[1] if finals else None
+
+
+def fits(costs, budget, table):
+  """Whether some plan's predicted peak is within `budget`."""
+  return least_retained(costs, budget, table) is not None
+
+
+def least_retained(costs, budget, table):
+  """The plan within `budget` (predicted) that retains the fewest bytes
+  between its segments' forward and backward passes (then the fastest of
+  those), or None when no plan fits.
+
+  Less retained is never worse for what follows, so the best state at each
+  position, over plans within the budget so far, decides: one per position
+  instead of `fastest`'s (retained, time) fronts. Each state names the
+  segment that reached it; the plan is read back from the end.
+  """
+  after = _grads_after(costs)
+  best = [None] * (len(costs) + 1)  # (retained, seconds, last segment)
+  best[0] = (0, 0.0, None)
+  for start, candidates in enumerate(table):
+    if best[start] is None:
+      continue
+    retained, seconds, _ = best[start]
+    for seg, (seg_peak, seg_retained, seg_seconds) in candidates:
+      if retained + after[seg.stop - 1] + seg_peak > budget:
+        continue
+      state = (retained + seg_retained, seconds + seg_seconds, seg)
+      if best[seg.stop] is None or state[:2] < best[seg.stop][:2]:
+        best[seg.stop] = state
+  if best[-1] is None or best[-1][0] + costs[-1].output_bytes > budget:
+    return None
+  segments, stop = [], len(costs)
+  while stop:
+    segments.append(best[stop][2])
+    stop = segments[-1].start
+  return segments[::-1]
+
+
+def smallest_budget(costs, table=None):
+  """The smallest budget (bytes) for which some plan fits. `table`:
+  `segment_table(costs)`, if already computed."""
+  table = segment_table(costs) if table is None else table
+  lo, hi = 0, predict(costs, [Segment(0, len(costs), False)])[0]
+  hi = max(hi, predict(costs, uniform_segments(len(costs), len(costs)))[0])
+  while lo < hi:
+    mid = (lo + hi) // 2
+    if not fits(costs, mid, table):
+      lo = mid + 1
+    else:
+      hi = mid
+  return lo
+
+
+# Short names of the built-in policies, for printouts.
+_SHORT = {
+    "dots_saveable": "dots",
+    "dots_with_no_batch_dims_saveable": "dots/nobatch",
+    "masks_saveable": "masks",
+    "dots_and_masks_saveable": "dots+masks",
+    "dots_with_no_batch_dims_and_masks_saveable": "dots/nob+masks",
+    "softmax_saveable": "softmax",
+    "masks_and_softmax_saveable": "masks+softmax",
+    "dots_masks_and_softmax_saveable": "dots+masks+softmax",
+    "dots_with_no_batch_dims_masks_and_softmax_saveable":
+        "dots/nob+masks+softmax",
+}
+
+
+def short_policy_name(policy):
+  """A built-in policy's short name for tables, e.g. "dots+masks"."""
+  return _SHORT.get(policy, policy)
+
+
+def keep_all(num_layers):
+  """The plan that rematerializes nothing."""
+  return [Segment(i, i + 1, False) for i in range(num_layers)]
+
+
+def uniform_segments(num_layers, segments):
+  """`segments` (an int, or "sqrt") equal rematerialized segments."""
+  if segments == "sqrt":
+    segments = max(1, round(math.sqrt(num_layers)))
+  if (not isinstance(segments, int) or isinstance(segments, bool) or
+      not 1 <= segments <= max(1, num_layers)):
+    raise errors.InvalidArgumentError(
+        f"segments must be an int from 1 to the number of layers "
+        f"({num_layers}) or \"sqrt\"; got {segments!r}.")
+  bounds = [round(i * num_layers / segments) for i in range(segments + 1)]
+  return [Segment(lo, hi, True) for lo, hi in zip(bounds, bounds[1:])]
