@@ -17,6 +17,8 @@ from tfremat import chain
 from tfremat import measure
 from tfremat import models
 from tfremat import planner
+from tfremat._src import chain_layers
+from tfremat._src import chain_measure
 from conftest import DEVICE_MODES, assert_parity, assert_trees_close
 from conftest import random_costs
 
@@ -96,7 +98,7 @@ def test_measure_layer_measures_what_a_loop_keeps():
   lstm(x)
   traced = {}
   chain.training_step(lstm, traced=traced).get_concrete_function(x)
-  assert chain._saved_bytes(traced) is None  # pylint: disable=protected-access
+  assert chain_measure._saved_bytes(traced) is None  # pylint: disable=protected-access
   cost, _ = chain.measure_layer(lstm, x, repeats=1)
   # Per step at least the gates' activations (4 x 64 x 32 floats).
   assert cost.saved_bytes >= 16 * 4 * 64 * 32 * 4, cost
@@ -283,7 +285,7 @@ def test_an_unreachable_fraction_names_the_lowest_and_what_dominates_it(
 
   measured_peaks, chain_measure_layer = chain.measure_peaks, chain.measure_layer
   monkeypatch.setattr(chain, "measure_peaks", measure_peaks)
-  monkeypatch.setattr(chain, "measure_layer", measure_layer)
+  monkeypatch.setattr(chain_measure, "measure_layer", measure_layer)
   with pytest.raises(ValueError, match=(
       r"(?s)budget of 35% of the keep-everything peak.*the lowest bound any "
       r"plan can have is .* MiB, \d+% of the measured keep-everything peak"
@@ -293,7 +295,7 @@ def test_an_unreachable_fraction_names_the_lowest_and_what_dominates_it(
   # Where the gradients leave room (here they and the margin are 13% of the
   # peak), the plans are measured before refusing, and the error gives the
   # lowest bound measured: rematerializing these layers saves nothing.
-  monkeypatch.setattr(chain, "measure_layer", chain_measure_layer)
+  monkeypatch.setattr(chain_measure, "measure_layer", chain_measure_layer)
   blocks, x = _issue_chain("tanh")
   with pytest.raises(ValueError, match=(
       r"(?s)budget of 20% of the keep-everything peak.*the lowest bound "
@@ -443,7 +445,7 @@ def test_bad_budgets_fail_before_anything_is_measured(
   def measured(*args, **kwargs):
     raise AssertionError("measured before the budget was checked")
 
-  monkeypatch.setattr(chain, "measure_layer", measured)
+  monkeypatch.setattr(chain_measure, "measure_layer", measured)
   monkeypatch.setattr(chain, "measure_peaks", measured)
   blocks = models.residual_mlp(2, 4, dropout=0.0, residual_inside=True)
   with pytest.raises(error, match=match):
@@ -498,7 +500,7 @@ def test_identical_layers_are_measured_once_and_share_their_costs(
     measured.append(layer.name)
     return real(layer, x, *args, **kwargs)
 
-  monkeypatch.setattr(chain, "measure_layer", counting)
+  monkeypatch.setattr(chain_measure, "measure_layer", counting)
   # Four identical blocks (their dropout seeds differ, which changes no
   # cost), then one of another width.
   blocks = models.residual_mlp(4, 16, dropout=0.1, residual_inside=True)
@@ -612,7 +614,7 @@ def test_one_executor_thread_is_read_from_config_environment_or_cpus(
     monkeypatch.setenv("TF_NUM_INTEROP_THREADS", environment)
   monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(cpus)),
                       raising=False)
-  assert chain._one_executor_thread() is one  # pylint: disable=protected-access
+  assert chain_layers._one_executor_thread() is one  # pylint: disable=protected-access
 
 
 def test_an_ordered_chain_runs_in_the_executors_order_on_one_thread(
@@ -628,9 +630,9 @@ def test_an_ordered_chain_runs_in_the_executors_order_on_one_thread(
     graph = chain.training_step(layer).get_concrete_function(x).graph
     return sum(len(op.control_inputs) for op in graph.get_operations())
 
-  monkeypatch.setattr(chain, "_one_executor_thread", lambda: False)
+  monkeypatch.setattr(chain_layers, "_one_executor_thread", lambda: False)
   ordered = control_edges()
-  monkeypatch.setattr(chain, "_one_executor_thread", lambda: True)
+  monkeypatch.setattr(chain_layers, "_one_executor_thread", lambda: True)
   assert control_edges() < ordered
 
 
@@ -639,7 +641,7 @@ def test_an_ordered_chains_backward_ops_are_not_colocated(monkeypatch):
   # as any other; `tf.gradients` would colocate each with its forward op
   # (the reruns' with their segment's custom-gradient op), which cost
   # tracing and the first call's placement time on every planned chain.
-  monkeypatch.setattr(chain, "_one_executor_thread", lambda: False)
+  monkeypatch.setattr(chain_layers, "_one_executor_thread", lambda: False)
   blocks = models.residual_mlp(3, 64, dropout=0.0, residual_inside=True)
   x = tf.zeros([2048, 64])
   layer = tfremat.RematSequential(blocks, [(0, 1, True), (1, 3, True)],
@@ -653,7 +655,8 @@ def test_an_ordered_chains_backward_ops_are_not_colocated(monkeypatch):
 _GELU_CHAIN = """
 import keras, tensorflow as tf, tfremat
 from tfremat import chain, planner
-chain._one_executor_thread = lambda: False  # Order, as on several CPUs.
+from tfremat._src import chain_layers
+chain_layers._one_executor_thread = lambda: False  # Order, as on several CPUs.
 keras.utils.set_random_seed(0)
 gelu = lambda h: keras.activations.gelu(h, approximate=True)
 blocks = [keras.Sequential([keras.layers.Dense(256, activation=gelu),

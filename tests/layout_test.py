@@ -107,6 +107,9 @@ def test_each_idea_sits_at_its_level():
   assert "_src.selective" in deps["_src.remat"]
   assert deps["_src.layers"] <= {"_src.hyperparams", "policies", "_src.remat"}
   assert "chain" not in deps["_src.layers"] | deps["planner"]
+  # A chain's layers run; its measuring measures them; chain.py plans.
+  assert "_src.chain_measure" not in deps["_src.chain_layers"]
+  assert "chain" not in deps["_src.chain_layers"] | deps["_src.chain_measure"]
   top = {"bench", "max_batch", "models"}
   lingvo = {m for m in graph if m.split(".")[0] == "lingvo"}
   library = set(graph) - top - lingvo - {"__init__"}

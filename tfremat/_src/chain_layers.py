@@ -1,0 +1,381 @@
+"""The layers of a chain with chosen rematerialization: `RematSequential` runs
+Keras layers in order, each chosen segment rematerialized, optionally in one
+op order (`_OpOrder`); `ContextUnit` and `ContextSegment` carry what a
+model's parts read besides the chain's activation (token ids, masks).
+Their public names are `tfremat.chain`'s.
+"""
+
+import contextlib
+
+import os
+import keras
+import tensorflow as tf
+from tensorflow.python.ops import control_flow_util
+
+from tfremat import errors
+from tfremat import planner
+from tfremat import policies as policies_lib
+from tfremat._src import in_place
+from tfremat._src import layers as layers_lib
+from tfremat._src import watch
+from tfremat._src.layers import RematerializationLayer
+
+__all__ = [
+    "ContextUnit",
+    "ContextSegment",
+    "nest_target",
+    "RematSequential",
+    "SOURCE_OPS",
+]
+
+
+@keras.saving.register_keras_serializable(package="tfremat")
+class ContextUnit(keras.layers.Layer):
+  """A unit of a chain that also reads the chain's context.
+
+  A chain passes one tensor from unit to unit; a transformer's blocks also
+  read tensors that are live for the whole step anyway, such as a padding
+  mask or token ids. These are the chain's context: `RematSequential` takes
+  them as `context=` (a list) and hands them to each `ContextUnit`, which
+  calls `unit([x, *context[i] for i in context_indices])`. Context tensors
+  are never float: they have no gradient, and keeping them costs nothing
+  that the model does not already hold.
+
+  Called without context, as when the planner measures the unit on its own,
+  it reads `sample_context` (not saved), the context of the sample batch.
+  """
+
+  def __init__(self, unit, context_indices, sample_context=None, **kwargs):
+    super().__init__(**kwargs)
+    self.unit = unit
+    self.context_indices = [int(i) for i in context_indices]
+    self.sample_context = sample_context
+
+  def build(self, input_shape=None):
+    del input_shape  # The unit is a built functional model.
+    self.built = True
+
+  def call(self, x, context=None, training=None):
+    if context is None:
+      context = self.sample_context
+    if context is None:
+      raise errors.InvalidArgumentError(
+          f"{self.name} reads the chain's context (a padding mask, say): "
+          "call the RematSequential holding it with context=[...].")
+    return self.unit([x] + [context[i] for i in self.context_indices],
+                     training=training)
+
+  def get_config(self):
+    return {**super().get_config(),
+            "unit": keras.saving.serialize_keras_object(self.unit),
+            "context_indices": self.context_indices}
+
+  @classmethod
+  def from_config(cls, config, custom_objects=None):
+    config = dict(config)
+    unit = keras.saving.deserialize_keras_object(
+        config.pop("unit"), custom_objects=custom_objects)
+    return cls(unit, **config)
+
+
+class ContextSegment(keras.layers.Layer):
+  """A rematerialized segment's layers, run in order with the context.
+
+  With `nested`, each layer's own layers (`nest_target`) are rematerialized
+  while it runs, under `policy` (`tfremat.planner.Segment.nested`).
+  """
+
+  def __init__(self, layers, nested=False, policy=None, **kwargs):
+    super().__init__(**kwargs)
+    self.chain = list(layers)
+    self.nested = nested
+    self.policy = policy
+
+  def build(self, input_shape=None):
+    del input_shape
+    self.built = True
+
+  def call(self, x, context=None, training=None):
+    nesting = (in_place.sublayers_rematerialized(
+        [nest_target(l) for l in self.chain], self.policy)
+               if self.nested else contextlib.nullcontext())
+    with nesting:
+      for layer in self.chain:
+        x = _call_link(layer, x, context, training)
+    return x
+
+
+def nest_target(layer):
+  """The layer whose own layers a nested segment rematerializes for `layer`:
+  the layer itself, or for a `ContextUnit` or a model of one layer (a
+  transformer layer as `tfremat.remat_model` cuts it out), that layer."""
+  if isinstance(layer, ContextUnit):
+    layer = layer.unit
+  while isinstance(layer, keras.Model):
+    inner = in_place.sublayers(layer)
+    if len(inner) != 1:
+      break
+    layer = inner[0]
+  return layer
+
+
+def _call_link(layer, x, context, training):
+  """One link of a chain on `x`, handed the context if it reads it (a
+  ContextUnit, a ContextSegment, or either rematerialized)."""
+  body = layer.layer if isinstance(layer, RematerializationLayer) else layer
+  if context is not None and isinstance(body, (ContextUnit, ContextSegment)):
+    return layer(x, context=context, training=training)
+  return layer(x, training=training)
+
+
+@keras.saving.register_keras_serializable(package="tfremat")
+class RematSequential(keras.layers.Layer):
+  """Runs a chain of layers, rematerializing the chosen segments.
+
+  Made by `tfremat.remat_sequential`. Each rematerialized segment runs as a
+  `RematerializationLayer` around a `keras.Sequential` of its layers; kept
+  segments run their layers directly.
+
+  Args:
+    layers: the chain's Keras layers, each taking the previous one's output,
+      or a `keras.Sequential` of them.
+    segments: `(start, stop, remat)` triples covering the chain in order,
+      or `(start, stop, remat, policy)` with a save policy (a built-in's
+      name or a `tfremat.policies` value) for a rematerialized segment,
+      or `(start, stop, True, policy, True)` (policy may be None) for a
+      nested one: its
+      layers' own layers are rematerialized inside its rerun
+      (`tfremat.planner.Segment`).
+    plan: the planner's `Plan` that chose the segments, if it did; kept in
+      the layer's config, so `.plan` prints the same after a `.keras` file
+      is saved and loaded.
+    policy: the save policy of rematerialized segments that name none.
+    ordered: in a `tf.function` (not XLA, and not with one inter-op
+      thread, whose executor keeps one order by itself), run the chain's
+      forward and backward ops in the order they are built (`_ordered`), so
+      that a step's peak varies less from call to call within a process. It
+      costs step time, as independent ops no longer overlap
+      (docs/benchmarks.md, "Measurements behind the defaults").
+      False (the default) lets the executor's threads overlap them. Chains
+      the planner chose for a budget are ordered, as it measured them.
+  """
+
+  def __init__(self, layers, segments, plan=None, policy=None, ordered=False,
+               **kwargs):
+    layers = layers_lib.keras_layers(layers, "RematSequential", chain=True)
+    segments = [s if isinstance(s, planner.Segment) else planner.Segment(*s)
+                for s in segments]
+    planner.check_segments(segments, len(layers))
+    for seg in segments:
+      if seg.policy is not None:
+        policies_lib.get(seg.policy)
+    if isinstance(policy, dict):
+      policy = policies_lib.deserialize(policy)
+    elif policy is not None:
+      policies_lib.get(policy)
+    super().__init__(**kwargs)
+    self.chain = layers
+    self.segments = segments
+    self.policy = policy
+    self.ordered = bool(ordered)
+    if isinstance(plan, dict):
+      plan = planner.Plan.from_config(plan)
+    self.plan = plan
+    self.steps = []
+    for seg in segments:
+      part = layers[seg.start:seg.stop]
+      if seg.nested:
+        body = ContextSegment(part, nested=True, policy=seg.policy or policy)
+      elif any(isinstance(l, ContextUnit) for l in part):
+        body = ContextSegment(part)
+      else:
+        body = keras.Sequential(part)
+      self.steps += ([RematerializationLayer(body, policy=seg.policy or policy)]
+                     if seg.remat else part)
+
+  def build(self, input_shape=None):
+    del input_shape  # Each layer builds itself on its first call.
+    self.built = True
+
+  def call(self, x, context=None, training=None):
+    """Runs the chain on `x`; `context` is the list of tensors its
+    `ContextUnit`s read (see there), if it has any."""
+    graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+    if (not self.ordered or graph is None or
+        not any(s.remat for s in self.segments) or
+        control_flow_util.GraphOrParentsInXlaContext(graph) or
+        _one_executor_thread()):
+      # Eager ops, XLA's compiled steps and an executor with one inter-op
+      # thread run in one order every time; a chain that rematerializes
+      # nothing runs as the layers would.
+      return self._run(x, context, training)
+    return self._ordered(x, context, training)
+
+  def _run(self, x, context, training):
+    for step in self.steps:
+      x = _call_link(step, x, context, training)
+    return x
+
+  def _ordered(self, x, context, training):
+    """The chain in a graph, its forward and backward ops run in one order.
+
+    The graph executor runs independent ops in whatever order its threads
+    reach them, so a step's peak memory moves from call to call. Here every
+    op of the chain's forward pass waits for the one built before it
+    (`_OpOrder`), and so does every op of its backward pass, which is built
+    here by `tf.gradients` (rematerialized segments' reruns included): one
+    schedule for the large ops, the order in which the program builds them.
+    Small ops stay free, and the allocator's reuse of free chunks depends on
+    what the process did before, so the peak still moves, by less.
+    """
+    order = _OpOrder()
+
+    @tf.custom_gradient
+    def chain(x):
+      with order:
+        # The context is never float: it needs no gradient.
+        y = self._run(x, context, training)
+
+      def grad(dy, variables=None):
+        variables = list(variables or [])
+        if order.loops:
+          # A while loop's gradient adds inputs to the forward loop op, which
+          # chained backward ops would then wait on in a circle.
+          grads = _gradients(y, [x] + variables, dy)
+        else:
+          with _OpOrder():
+            grads = _gradients(y, [x] + variables, dy)
+        return grads[0], grads[1:]
+
+      return y, grad
+
+    return chain(x)
+
+  def compute_output_spec(self, x, context=None, training=None):
+    # Called on symbolic inputs, each step makes its own symbolic call.
+    return self.call(x, context=context, training=training)
+
+  def get_config(self):
+    return {
+        **super().get_config(),
+        "layers": [keras.saving.serialize_keras_object(l) for l in self.chain],
+        "segments": [s.as_list() for s in self.segments],
+        "plan": self.plan.get_config() if self.plan else None,
+        "policy": policies_lib.serialize(self.policy),
+        "ordered": self.ordered,
+    }
+
+  @classmethod
+  def from_config(cls, config, custom_objects=None):
+    config = dict(config)
+    layers = [keras.saving.deserialize_keras_object(
+        l, custom_objects=custom_objects) for l in config.pop("layers")]
+    return cls(layers, **config)
+
+
+def _gradients(ys, xs, grad_ys):
+  """`tf.gradients`, its ops placed as a tape's are: not colocated with the
+  forward ops (TF2's `tf.gradients` colocates each, and each rerun's with
+  its segment's custom-gradient op, at a cost in tracing and in the first
+  call's placement on every planned chain)."""
+  return tf.compat.v1.gradients(ys, xs, grad_ys,
+                                colocate_gradients_with_ops=False)
+
+
+def _one_executor_thread():
+  """Whether TensorFlow's executor runs independent ops on one inter-op
+  thread: as configured, or by default, which is the number of CPUs the
+  process may run on (or `TF_NUM_INTEROP_THREADS`).
+
+  Its order is then the same on every call, and the order `_ordered` imposes
+  only costs memory: on the tests' 10-block MLP, a plan made with the default
+  threads peaked at 24.2 MiB ordered and 19.8 MiB unordered in new processes
+  with one inter-op thread, and at 19.4 MiB ordered with the default threads
+  (docs/benchmarks.md, "With one inter-op thread").
+  """
+  threads = tf.config.threading.get_inter_op_parallelism_threads()
+  if threads == 0:
+    try:
+      threads = int(os.environ.get("TF_NUM_INTEROP_THREADS", "0"))
+    except ValueError:
+      threads = 0
+  if threads == 0:
+    try:
+      threads = len(os.sched_getaffinity(0))
+    except AttributeError:  # Not on Linux.
+      threads = os.cpu_count() or 0
+  return threads == 1
+
+
+SOURCE_OPS = frozenset(["Placeholder", "Const"])
+
+
+# Ops left out of the order. Grappler's arithmetic optimizer rewrites x**3
+# (in the tanh approximation of gelu, which GPT-2's, BERT's and Gemma's
+# layers use) into products, and fails where the power op waits on another
+# op; TensorFlow then runs the whole step unoptimized, saying so only in its
+# log ("Ignoring multi-device function optimization failure").
+_UNORDERED_OPS = frozenset(["Pow"])
+
+
+_LOOP_OPS = frozenset(["While", "StatelessWhile"])
+
+
+# Ops whose outputs are smaller than this are left unordered: they move a
+# peak by little, and ordering every small op cost more step time.
+_MIN_ORDERED_BYTES = 64 * 2**10
+
+
+def _static_bytes(outputs):
+  """The bytes of `outputs` known from their static shapes; unknown dims
+  count as large."""
+  total = 0
+  for t in outputs:
+    if t.shape.rank is None or None in t.shape.as_list():
+      return 2**62
+    total += t.shape.num_elements() * max(1, t.dtype.size)
+  return total
+
+
+class _OpOrder(watch.Handler):
+  """While open, each op added to the graph it was opened in waits for the
+  op added before it, by a control edge: the graph executor then runs them
+  in the order they were built, whatever its threads do.
+
+  Constants, placeholders, ops reading only those (variable reads, seeds'
+  shapes) and ops with outputs under 64 KiB are left free: they hold no
+  activation worth ordering. An op a callback hands over that is older than
+  the last one chained (a variable read the forward pass shares,
+  `state.ForwardOps`) is left as it is.
+  """
+
+  def __init__(self):
+    self.graph = None
+    self.last = None
+    self.first_id = 0
+    self.loops = False
+
+  def on_op(self, op_type, inputs, outputs, op_name, graph):
+    del inputs, op_name
+    if op_type in _LOOP_OPS:
+      self.loops = True
+    if graph is not self.graph or not outputs:
+      return outputs
+    # pylint: disable=protected-access
+    op = outputs[0].op
+    newest = self.last._id if self.last is not None else self.first_id
+    if (op.graph is not graph or op._id <= newest or
+        op.type in SOURCE_OPS or op.type in _UNORDERED_OPS or
+        all(t.op.type in SOURCE_OPS for t in op.inputs) or
+        _static_bytes(outputs) < _MIN_ORDERED_BYTES):
+      return outputs
+    if self.last is not None:
+      op._add_control_input(self.last)
+    self.last = op
+    return outputs
+
+  def __enter__(self):
+    self.graph = tf.compat.v1.get_default_graph()
+    self.first_id = watch.last_op_id(self.graph)
+    self.last = None
+    return super().__enter__()
