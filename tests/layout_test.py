@@ -99,8 +99,10 @@ def test_each_idea_sits_at_its_level():
   deps = {m: found - {"errors"} for m, found in graph.items()}
   assert deps["measure"] == set()  # The bottom: used by all who measure.
   # Pure: computes, never measures; its segments carry policies (values).
-  assert deps["planner"] <= {"measure", "policies", "_src.cost_model"}
+  assert deps["planner"] <= {"measure", "policies", "_src.cost_model",
+                             "_src.plan_text"}
   assert deps["_src.cost_model"] <= {"measure", "policies"}
+  assert deps["_src.plan_text"] <= {"measure", "_src.cost_model"}
   assert deps["policies"] == set()  # Pure functions of an op's description.
   assert deps["_src.watch"] == set()  # The one op callback, below its users.
   assert deps["_src.selective"] <= {"policies", "_src.watch"}  # Keeping.
@@ -295,3 +297,17 @@ def _attributes_set_late():
 def test_every_attribute_is_set_in_init():
   # A reader sees in __init__ everything an object holds.
   assert not _attributes_set_late(), _attributes_set_late()
+
+
+# A module a newcomer can read at one sitting: each holds one responsibility
+# (the forward pass, the reruns, the rerun checks, a chain's layers, its
+# measuring, ...). The benchmark, a script of many tables, is the exception.
+MAX_MODULE_LINES = 650
+
+
+def test_no_module_is_too_long_to_read():
+  lines = {name: len(path.read_text().splitlines())
+           for name, path in _modules().items()}
+  long = {n: k for n, k in lines.items()
+          if k > MAX_MODULE_LINES and n != "bench"}
+  assert not long, long

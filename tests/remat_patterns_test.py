@@ -468,7 +468,7 @@ def test_raw_variable_of_a_strategy_read_outside_its_replicas(mode):
   # that scope but not in `strategy.run` (a cross-replica context), as a
   # budget's measurement in remat_model does. The variable's own `.handle`
   # raises there, so neither pass may ask for it. (The distribute worker's
-  # Keras case crashed that way before `state._handle`; this raw case passed
+  # Keras case crashed that way before `forward_ops.handle`; this raw case passed
   # without it too, since the passes meet the variable's local copy. It
   # guards the raw path.)
   strategy = tf.distribute.MirroredStrategy(["/cpu:0"])

@@ -24,6 +24,7 @@ from tensorflow.python.grappler import tf_optimizer
 from tensorflow.python.training import saver as saver_lib
 
 import tfremat
+from tfremat._src import forward_ops
 from tfremat._src import state
 from conftest import DEVICES
 
@@ -138,6 +139,6 @@ def test_the_check_finds_the_reads_of_a_rerun_reading_values_of_its_own(
     monkeypatch):
   # Before the fix, the rerun read values that tfremat read after the forward
   # pass, which nothing but the dropped edges ordered; the check finds those.
-  monkeypatch.setattr(state.ForwardOps, "first_read", lambda self, v: None)
+  monkeypatch.setattr(forward_ops.ForwardOps, "first_read", lambda self, v: None)
   step, x = _keras_step(None)
   assert _reads_after_writes(step, x)

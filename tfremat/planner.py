@@ -33,16 +33,19 @@ import math
 from tfremat import errors
 from tfremat import measure
 from tfremat._src import cost_model
+from tfremat._src import plan_text
 from tfremat._src.cost_model import Budget
 from tfremat._src.cost_model import LayerCost
 from tfremat._src.cost_model import Segment
 from tfremat._src.cost_model import check_segments
+from tfremat._src.cost_model import floor_terms
 from tfremat._src.cost_model import keep_all
 from tfremat._src.cost_model import predict
 from tfremat._src.cost_model import segment_policies
 from tfremat._src.cost_model import short_policy_name
 from tfremat._src.cost_model import smallest_budget
 from tfremat._src.cost_model import uniform_segments
+from tfremat._src.plan_text import LEGEND
 
 __all__ = [
     "Measured",
@@ -264,84 +267,9 @@ class Plan:
                Budget(**budget) if budget else None,
                config.get("ordered", False), **measured)
 
-  def _layer_rows(self):
-    mib = measure.format_bytes
-    rows = [f"{'layer':<24}{'decision':<36}{'stored':>11}{'output':>11}"
-            f"{'fwd ms':>9}{'wait ms':>9}"]
-    for k, seg in enumerate(self.segments):
-      for i in range(seg.start, seg.stop):
-        c = self.costs[i]
-        if not seg.remat:
-          what, stored = "keep", c.saved_bytes
-        else:
-          what = f"remat {k}" + (", nested" if seg.nested else "")
-          if seg.policy:
-            keeps = c.policy_keeps.get(seg.policy)
-            what += (f", keeps {keeps}" if keeps else
-                     f", {short_policy_name(seg.policy)}")
-          stored = c.kept_bytes(seg.policy)
-        rows.append(f"{c.name[:23]:<24}{what:<36}{mib(stored):>11}"
-                    f"{mib(c.output_bytes):>11}"
-                    f"{1000 * c.forward_seconds:>9.2f}"
-                    f"{1000 * c.waiting_recompute_seconds:>9.2f}")
-    return rows
-
-  def _summary_rows(self):
-    # Measured figures are compared with measured ones, the cost model's with
-    # the cost model's, and every line says which it is.
-    mib, rows = measure.format_bytes, []
-    keep = self.measured_keep_peak_bytes
-    if self.budget_bytes is not None:
-      given = ""
-      if self.budget is not None and self.budget.fraction is not None:
-        given = (f"{self.budget.fraction:.0%} of the measured peak of keeping "
-                 "everything" + (f" ({mib(keep)})" if keep else ""))
-      rows.append(("budget", mib(self.budget_bytes), given))
-    if self.measured is not None:
-      m = self.measured
-      versus = (f"; {m.peak_bytes / keep:.2f}x of keeping everything's"
-                if keep else "")
-      rows.append(("measured peak", mib(m.peak_bytes),
-                   f"the largest of {m.calls} calls{versus}"))
-      verdict = ""
-      if self.budget_bytes is not None:
-        verdict = ("; within the budget" if m.bound_bytes <= self.budget_bytes
-                   else "; over the budget")
-      margin = (f" + allocator margin ({mib(m.margin_bytes)})"
-                if m.margin_bytes else "")
-      rows.append(("bound", mib(m.bound_bytes),
-                   f"for every later call: largest + spread of the {m.calls} "
-                   f"calls{margin}{verdict}"))
-    if self.ordered:
-      rows.append(("order", "ordered", "the chain's ops run in one order "
-                   "(no unordered plan measured fits the budget)"))
-    rows.append(("cost model's peak", mib(self.peak_bytes),
-                 f"{self.peak_bytes / self.baseline_peak_bytes:.2f}x of "
-                 f"keeping everything, by the model "
-                 f"({mib(self.baseline_peak_bytes)})"))
-    rows.append(("cost model's time", f"{1000 * self.seconds:.1f} ms",
-                 f"{100 * (self.seconds / self.baseline_seconds - 1):+.1f}% "
-                 "over keeping everything, by the model"))
-    return [f"{name:<19}{value:>11}  {note}".rstrip()
-            for name, value, note in rows]
-
   def __str__(self):
-    return "\n".join(self._layer_rows() + self._summary_rows() + [LEGEND])
-
-
-LEGEND = """\
-decision: keep (the layer's activations are stored for the backward pass) or
-  remat k (segment k's layers rerun in the backward pass; only its last
-  output is stored, and what its save policy keeps, if one is named: "keeps
-  dots" are matrix products and convolutions, "masks" dropout masks;
-  "nested": the layer's own layers are rematerialized inside its rerun, one
-  working set at a time; the cost model counts it as not nested).
-stored: what the layer stores for the backward pass under this decision,
-  beyond its output. output: its output. fwd ms: one forward call (what
-  rerunning it costs). wait ms: what its rerun adds when it waits for later
-  layers of its segment to rerun. Structurally identical layers are measured
-  once and share their figures. The cost model's figures are estimates; a
-  plan is chosen on its measured bound."""
+    return "\n".join(plan_text.layer_rows(self) + plan_text.summary_rows(self) +
+                     [LEGEND])
 
 
 # A faster plan is measured (`calibrated_plan`) only if the cost model
@@ -595,44 +523,10 @@ def _calibrated(costs, measure_it, budget_bytes, rounds, nestable=None,
   # fit, the same plan nested, lower still and slower. Each is tried
   # ordered too, right after it is tried unordered.
   lowest = floor_plan().segments
-  for segments in (lowest, _nested(lowest, nestable)):
+  for segments in (lowest, cost_model.nested_segments(lowest, nestable)):
     for in_order in (False, True)[:1 + bool(ordered)]:
       if segments and fits(measure_it((tuple(segments), in_order))):
         return
-
-
-def _nested(segments, nestable):
-  """`segments` with every nestable layer rematerialized and nested: a
-  rematerialized segment holding one is nested, a kept one is
-  rematerialized and nested (the lowest plan may keep a layer whose working
-  set the model sees as the peak anyway, which nesting would lower). None if
-  no layer is nestable."""
-  if not nestable or not any(nestable):
-    return None
-  nested = []
-  for s in segments:
-    if any(nestable[s.start:s.stop]):  # A kept segment is one layer.
-      s = (dataclasses.replace(s, nested=True) if s.remat else
-           Segment(s.start, s.stop, True, None, True))
-    nested.append(s)
-  return nested
-
-
-def floor_terms(costs):
-  """What a training step holds however much is rematerialized, by the cost
-  model: (description, bytes) pairs, largest first."""
-  def working_set(c):
-    return (c.saved_bytes + c.output_bytes +
-            max(c.forward_transient_bytes, c.backward_transient_bytes))
-
-  grads = sum(c.weight_grad_bytes for c in costs)
-  ends = costs[0].input_bytes + costs[-1].output_bytes
-  widest = max(costs, key=working_set)
-  terms = [("the weight gradients", grads),
-           ("the chain's input and output (and their gradients)", 2 * ends),
-           (f"one layer's working set while it reruns ({widest.name})",
-            working_set(widest))]
-  return sorted(terms, key=lambda t: -t[1])
 
 
 def unreachable_budget_error(budget, budget_bytes, keep_peak, lowest,

@@ -346,7 +346,7 @@ class _OpOrder(watch.Handler):
   shapes) and ops with outputs under 64 KiB are left free: they hold no
   activation worth ordering. An op a callback hands over that is older than
   the last one chained (a variable read the forward pass shares,
-  `state.ForwardOps`) is left as it is.
+  `forward_ops.ForwardOps`) is left as it is.
   """
 
   def __init__(self):

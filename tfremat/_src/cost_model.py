@@ -31,6 +31,8 @@ __all__ = [
     "short_policy_name",
     "keep_all",
     "uniform_segments",
+    "floor_terms",
+    "nested_segments",
 ]
 
 @dataclasses.dataclass(frozen=True)
@@ -423,3 +425,37 @@ def uniform_segments(num_layers, segments):
         f"({num_layers}) or \"sqrt\"; got {segments!r}.")
   bounds = [round(i * num_layers / segments) for i in range(segments + 1)]
   return [Segment(lo, hi, True) for lo, hi in zip(bounds, bounds[1:])]
+
+
+def floor_terms(costs):
+  """What a training step holds however much is rematerialized, by the cost
+  model: (description, bytes) pairs, largest first."""
+  def working_set(c):
+    return (c.saved_bytes + c.output_bytes +
+            max(c.forward_transient_bytes, c.backward_transient_bytes))
+
+  grads = sum(c.weight_grad_bytes for c in costs)
+  ends = costs[0].input_bytes + costs[-1].output_bytes
+  widest = max(costs, key=working_set)
+  terms = [("the weight gradients", grads),
+           ("the chain's input and output (and their gradients)", 2 * ends),
+           (f"one layer's working set while it reruns ({widest.name})",
+            working_set(widest))]
+  return sorted(terms, key=lambda t: -t[1])
+
+
+def nested_segments(segments, nestable):
+  """`segments` with every nestable layer rematerialized and nested: a
+  rematerialized segment holding one is nested, a kept one is
+  rematerialized and nested (the lowest plan may keep a layer whose working
+  set the model sees as the peak anyway, which nesting would lower). None if
+  no layer is nestable."""
+  if not nestable or not any(nestable):
+    return None
+  nested = []
+  for s in segments:
+    if any(nestable[s.start:s.stop]):  # A kept segment is one layer.
+      s = (dataclasses.replace(s, nested=True) if s.remat else
+           Segment(s.start, s.stop, True, None, True))
+    nested.append(s)
+  return nested

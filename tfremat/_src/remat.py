@@ -57,6 +57,7 @@ from tensorflow.python.ops import control_flow_util
 
 from tfremat import errors
 from tfremat import policies
+from tfremat._src import forward_ops
 from tfremat._src import rerun
 from tfremat._src import selective
 from tfremat._src import sources
@@ -429,7 +430,7 @@ def _run_forward(call, context, leaves, policy, seed, debug):
   for _ in range(2):
     with record.stop_recording(), context:
       with record.VariableWatcher() as watcher:
-        with state.RecordingScope() as scope, state.ForwardOps(
+        with state.RecordingScope() as scope, forward_ops.ForwardOps(
             inputs, debug) as ops:
           with _saving(policy, inputs) as saver:
             outputs = call(leaves)

@@ -18,6 +18,7 @@ import keras
 
 from tfremat import policies as policies_lib
 from tfremat._src import in_place
+from tfremat._src import model_chain
 from tfremat._src import remat_model
 
 __all__ = ["RematScope"]
@@ -128,7 +129,7 @@ def _output_size(layer, args, kwargs):
     spec = layer.compute_output_spec(*args, **kwargs)
   except Exception:  # pylint: disable=broad-except
     return 0
-  return remat_model._elements(  # pylint: disable=protected-access
+  return model_chain.elements(
       [t for t in keras.tree.flatten(spec) if hasattr(t, "shape")])
 
 

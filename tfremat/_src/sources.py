@@ -10,8 +10,8 @@ from tensorflow.python.eager import record
 from tensorflow.python.ops import gen_resource_variable_ops
 
 from tfremat import errors
+from tfremat._src import forward_ops
 from tfremat._src import selective
-from tfremat._src import state
 from tfremat._src import watch
 
 __all__ = [
@@ -79,7 +79,7 @@ def find_sources(eager, leaves, run):
       sources.add(_ClosureSource(t))
       # A captured tensor is tied to what it captures on the gradient tapes
       # at each use; the forward pass's use was unrecorded.
-      state.record_capture(t)
+      forward_ops.record_capture(t)
   return tuple(sources.found)
 
 
@@ -118,8 +118,8 @@ def _add_read_handles(sources, ops, covered):
 
 def _handle_id(variable):
   """Identifies a variable by its handle, followed out of captures, as
-  `state.ForwardOps.read_handles` names the variables the block read."""
-  return id(state.capture_origin(state._handle(variable)))  # pylint: disable=protected-access
+  `forward_ops.ForwardOps.read_handles` names the variables the block read."""
+  return id(forward_ops.capture_origin(forward_ops.handle(variable)))
 
 
 def in_current_graph(x):
@@ -185,7 +185,7 @@ class _ClosureSource(_Source):
   def rerun_target(self, rerun):
     # As the rerun reads it: a gradient graph (a while loop's, say) captures
     # the original tensor anew.
-    return selective.in_graph(state.capture_origin(self.tensor), rerun.graph)
+    return selective.in_graph(forward_ops.capture_origin(self.tensor), rerun.graph)
 
 
 class RawSource(_Source):
