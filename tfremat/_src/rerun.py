@@ -124,8 +124,8 @@ def _eager_backward(forward, dys):
 class _GraphRerun:
   """A traced forward pass's rerun, in the same graph, made to wait for the
   incoming gradient (docs/design.md, "The rerun is the forward pass's own
-  program"), and differentiated with a gradient tape (with `tf.gradients`
-  where it reads raw tf.Variables)."""
+  program"), and differentiated `_ByTape` (`_ByGradientsOfGraph` where it
+  reads raw tf.Variables)."""
 
   def __init__(self, forward, dys):
     self.forward = forward
@@ -175,27 +175,16 @@ class _GraphRerun:
     reads = [(s.handle(), s.value) for s in forward.sources
              if isinstance(s, sources.RawSource)]
     if reads:
-      # Raw tf.Variables are read at their forward-time reads, which the
-      # forward pass made unrecorded (and a loop or branch body captures):
-      # only a walk of the graph finds the way from those reads to the
-      # variables. What a policy kept goes unused here.
-      tape, replacer = None, None
-      with sources.forward_reads(reads):
-        rerun = _rerun(forward, leaves, values, seed, global_step)
+      by = _ByGradientsOfGraph(reads)
     else:
-      watched = targets + list(closure_reads.values())
       # Asked before this call's own tape exists: whether a tape outside
       # records the rerun (a second-order gradient).
-      replacer = self._replacer(leaves,
-                                record.should_record_backprop(watched))
-      with tf.GradientTape(watch_accessed_variables=False) as tape:
-        tape.watch(watched)
-        with replacer or contextlib.nullcontext():
-          rerun = _rerun(forward, leaves, values, seed, global_step)
-    if replacer is not None:
-      replacer.check()
+      watched = targets + list(closure_reads.values())
+      by = _ByTape(watched, self._replacer(
+          leaves, record.should_record_backprop(watched)))
+    rerun = by.run(lambda: _rerun(forward, leaves, values, seed, global_step))
     ys, dys = rerun_checks.checked_targets(forward, *rerun, dys)
-    grads = self._partials(tape, ys, dys, targets, closure_reads, before)
+    grads = self._partials(by, ys, dys, targets, closure_reads, before)
     return self._handed_on_last(grads)
 
   def _closure_reads(self, targets):
@@ -206,27 +195,18 @@ class _GraphRerun:
             for i, s in enumerate(self.forward.sources)
             if isinstance(s, sources.InputSource) and targets[i] is not s.tensor}
 
-  def _partials(self, tape, ys, dys, targets, closure_reads, before):
+  def _partials(self, by, ys, dys, targets, closure_reads, before):
     """Invariant 8: every target is a stop, since one may depend on another
     in the outer graph (an input computed from a weight the block also
-    reads), and the gradient computation outside adds that path itself.
-    `tape` records only the rerun's own ops, so every target is one; and
-    unlike `tf.gradients`, it skips the gradients towards what it does not
-    watch (a BatchNormalization's stopped mean), which `tf.gradients`
-    builds and discards. Without a tape, `tf.gradients` differentiates with
-    the targets as stops. A closure read counts only where an op of the
-    rerun (made after op id `before`) reads it: `tf.gradients` walks every
-    op reachable from what it differentiates, and from an input as the
-    forward pass read it, that is the rest of the model."""
+    reads), and the gradient computation outside adds that path itself
+    (`by` differentiates: `_ByTape` or `_ByGradientsOfGraph`). A closure
+    read counts only where an op of the rerun (made after op id `before`)
+    reads it: `tf.gradients` walks every op reachable from what it
+    differentiates, and from an input as the forward pass read it, that is
+    the rest of the model."""
     also_read = {i: t for i, t in closure_reads.items()
                  if any(op._id > before for op in t.consumers())}  # pylint: disable=protected-access
-    xs = targets + list(also_read.values())
-    if tape is None:
-      grads = tf.gradients(ys, xs, grad_ys=dys, stop_gradients=xs,
-                           unconnected_gradients=tf.UnconnectedGradients.NONE)
-    else:
-      grads = tape.gradient(ys, xs, output_gradients=dys,
-                            unconnected_gradients=tf.UnconnectedGradients.NONE)
+    grads = by.gradients(ys, targets + list(also_read.values()), dys)
     for i, extra in zip(also_read, grads[len(targets):]):
       if extra is not None:
         grads[i] = extra if grads[i] is None else tf.add(grads[i], extra)
@@ -279,6 +259,53 @@ class _GraphRerun:
     return selective.RerunReplacer(
         self.forward.saver, errors.RerunMismatchError, gated_kept,
         [x for x in leaves if isinstance(x, tf.Tensor)])
+
+
+class _ByTape:
+  """A graph rerun differentiated by a gradient tape of its own, which
+  records only the rerun's ops: every target is one of them, and unlike
+  `tf.gradients` it skips the gradients towards what it does not watch (a
+  BatchNormalization's stopped mean), which `tf.gradients` builds and
+  discards. With a `replacer`, a policy's kept tensors stand in for the
+  rerun's ops that made them."""
+
+  def __init__(self, watched, replacer):
+    self.watched = watched
+    self.replacer = replacer
+    self.tape = None
+
+  def run(self, rerun):
+    with tf.GradientTape(watch_accessed_variables=False) as self.tape:
+      self.tape.watch(self.watched)
+      with self.replacer or contextlib.nullcontext():
+        ran = rerun()
+    if self.replacer is not None:
+      self.replacer.check()
+    return ran
+
+  def gradients(self, ys, xs, dys):
+    return self.tape.gradient(
+        ys, xs, output_gradients=dys,
+        unconnected_gradients=tf.UnconnectedGradients.NONE)
+
+
+class _ByGradientsOfGraph:
+  """A graph rerun that reads raw tf.Variables, differentiated with
+  `tf.gradients`: the variables are read at their forward-time reads, which
+  the forward pass made unrecorded (and a loop or branch body captures), so
+  only a walk of the graph finds the way from those reads to the
+  variables. What a policy kept goes unused here."""
+
+  def __init__(self, reads):
+    self.reads = reads
+
+  def run(self, rerun):
+    with sources.forward_reads(self.reads):
+      return rerun()
+
+  def gradients(self, ys, xs, dys):
+    return tf.gradients(ys, xs, grad_ys=dys, stop_gradients=xs,
+                        unconnected_gradients=tf.UnconnectedGradients.NONE)
 
 
 def _rerun(forward, leaves, keras_values, seed, global_step):
