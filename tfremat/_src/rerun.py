@@ -172,8 +172,8 @@ class _GraphRerun:
     seed, global_step = (self.gated(forward.seed),
                          self.gated(forward.global_step))
     before = watch.last_op_id(self.graph)
-    reads = [(s.handle(), s.value) for s in forward.sources
-             if isinstance(s, sources.RawSource)]
+    reads = [r for r in (s.raw_read() for s in forward.sources)
+             if r is not None]
     if reads:
       by = _ByGradientsOfGraph(reads)
     else:
@@ -191,9 +191,10 @@ class _GraphRerun:
     """For each input the function also reads by closure (a tensor a
     tf.function captured, passed and closed over): that read, ungated, by
     the input's source index. Its gradient adds to the input's."""
-    return {i: selective.in_graph(s.tensor, self.graph)
-            for i, s in enumerate(self.forward.sources)
-            if isinstance(s, sources.InputSource) and targets[i] is not s.tensor}
+    reads = {i: s.closure_read(target, self.graph)
+             for i, (s, target) in enumerate(zip(self.forward.sources,
+                                                 targets))}
+    return {i: read for i, read in reads.items() if read is not None}
 
   def _partials(self, by, ys, dys, targets, closure_reads, before):
     """Invariant 8: every target is a stop, since one may depend on another
@@ -225,8 +226,7 @@ class _GraphRerun:
     runtime; XLA ignores those, so there the tensors are offset by a zero
     computed from every variable gradient.
     """
-    is_variable = [isinstance(s, (sources.KerasSource, sources.RawSource))
-                   for s in self.forward.sources]
+    is_variable = [s.is_variable for s in self.forward.sources]
     after = [_dense(g) for g, v in zip(grads, is_variable)
              if v and g is not None]
     if not after or all(v or g is None for g, v in zip(grads, is_variable)):

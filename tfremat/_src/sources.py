@@ -141,6 +141,8 @@ class _Source:
   """Something the rerun reads and the gradient may be asked for."""
 
   kind = None  # Named in `saved_residuals`' table.
+  # A variable's gradient is handed on last (`rerun._GraphRerun`).
+  is_variable = False
 
   def __init__(self, tensor, index=None):
     self.tensor = tensor
@@ -157,6 +159,16 @@ class _Source:
     """What a `_GraphRerun` differentiates for this source."""
     raise NotImplementedError
 
+  def closure_read(self, target, graph):
+    """Where the function also read this source by closure, that read in
+    `graph` (its gradient adds to the source's); else None."""
+    del target, graph
+    return None
+
+  def raw_read(self):
+    """For a raw tf.Variable: (its handle, the value its rerun reads)."""
+    return None
+
 
 class InputSource(_Source):
   """An argument of the function."""
@@ -166,12 +178,20 @@ class InputSource(_Source):
   def rerun_target(self, rerun):
     return rerun.tensor(self.tensor)
 
+  def closure_read(self, target, graph):
+    # A tensor a tf.function captured, passed and closed over: the rerun's
+    # target is a gated copy, and the closure reads the tensor itself.
+    if target is self.tensor:
+      return None
+    return selective.in_graph(self.tensor, graph)
+
 
 class KerasSource(_Source):
   """A Keras variable the call touched; `index` into the record's
   `keras_values`, which the rerun reads (invariant 5)."""
 
   kind = "keras"
+  is_variable = True
 
   def rerun_target(self, rerun):
     return rerun.tensor(rerun.forward.keras_values[self.index])
@@ -195,6 +215,7 @@ class RawSource(_Source):
   forward pass's own read where there is one (invariant 6)."""
 
   kind = "raw"
+  is_variable = True
 
   def __init__(self, tensor, value=None, variable=None, handle=None):
     super().__init__(tensor)
@@ -204,6 +225,9 @@ class RawSource(_Source):
 
   def handle(self):
     return self.variable.handle if self.variable is not None else self._handle
+
+  def raw_read(self):
+    return self.handle(), self.value
 
   def watched(self):
     return self.variable if self.variable is not None else self._handle
