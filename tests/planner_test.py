@@ -727,35 +727,33 @@ def _fit(peaks, budget, rank=None, gradient_bytes=0, tries=()):
   return fitted, measured
 
 
-def test_fit_budget_is_the_one_search_every_budget_goes_through():
-  planner.ALLOCATOR_MARGIN, margin = 0.0, planner.ALLOCATOR_MARGIN
-  try:
-    peaks = {"keep": [100, 100], "a": [60, 60], "b": [40, 40],
-             "c": [30, 50], "over": [120, 120]}
-    # Keeping everything fits: nothing else is measured.
-    fitted, measured = _fit(peaks, 100, tries=["a"])
-    assert (fitted.choice, measured) == ("keep", ["keep"])
-    # A fraction is of keeping everything's peak; the first fitting
-    # candidate by rank is chosen, each measured once. "c" peaks at 50 but
-    # its bound (largest + spread) is 70; "over" peaks above keeping
-    # everything and is never chosen.
-    fitted, measured = _fit(peaks, "60%", tries=["over", "c", "b", "a"],
-                            rank=lambda key: -peaks[key][0])
-    assert fitted.choice == "a" and fitted.budget_bytes == 60
-    assert measured == ["keep", "over", "c", "b", "a"]
-    assert fitted.keep == planner.Measured(100, 100, 2)
-    assert fitted.measured == planner.Measured(60, 60, 2)
-    # Below every bound: one refusal, naming the lowest bound measured.
-    with pytest.raises(errors.BudgetUnreachableError,
-                       match=r"the lowest bound measured is .*, 40% of"):
-      _fit(peaks, 35, tries=["a", "b"])
-    # Below the weight gradients: refused before the search measures.
-    with pytest.raises(errors.BudgetUnreachableError,
-                       match="ends holding the weight gradients") as caught:
-      _fit(peaks, 35, tries=["a", "b"], gradient_bytes=50)
-    assert caught.value.lowest_fraction == 0.5
-  finally:
-    planner.ALLOCATOR_MARGIN = margin
+def test_fit_budget_is_the_one_search_every_budget_goes_through(monkeypatch):
+  monkeypatch.setattr(planner, "ALLOCATOR_MARGIN", 0.0)
+  peaks = {"keep": [100, 100], "a": [60, 60], "b": [40, 40],
+           "c": [30, 50], "over": [120, 120]}
+  # Keeping everything fits: nothing else is measured.
+  fitted, measured = _fit(peaks, 100, tries=["a"])
+  assert (fitted.choice, measured) == ("keep", ["keep"])
+  # A fraction is of keeping everything's peak; the first fitting
+  # candidate by rank is chosen, each measured once. "c" peaks at 50 but
+  # its bound (largest + spread) is 70; "over" peaks above keeping
+  # everything and is never chosen.
+  fitted, measured = _fit(peaks, "60%", tries=["over", "c", "b", "a"],
+                          rank=lambda key: -peaks[key][0])
+  assert fitted.choice == "a" and fitted.budget_bytes == 60
+  assert measured == ["keep", "over", "c", "b", "a"]
+  assert fitted.keep == planner.Measured(100, 100, 2)
+  assert fitted.measured == planner.Measured(60, 60, 2)
+  # Below every bound: one refusal, naming the lowest bound measured.
+  with pytest.raises(errors.BudgetUnreachableError,
+                     match=r"the lowest bound measured is .*, 40% of"):
+    _fit(peaks, 35, tries=["a", "b"])
+  # Below the weight gradients: refused before the search measures (a
+  # key without peaks would raise a KeyError).
+  with pytest.raises(errors.BudgetUnreachableError,
+                     match="ends holding the weight gradients") as caught:
+    _fit(peaks, 35, tries=["not measured"], gradient_bytes=50)
+  assert caught.value.lowest_fraction == 0.5
 
 
 def test_fit_budget_refusal_says_what_was_tried_and_what_to_do():
