@@ -268,9 +268,10 @@ def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
   chain of repeated blocks, which ones matters little), whose bound fits.
   If even all of them do not fit, it measures them nested
   (`remat_in_place(layers, nested=True)`: slower, lower), unless `nested`
-  is False. It chooses as a planned chain does (`tfremat.planner.fit_budget`):
-  a choice's bound (`tfremat.planner.Measured`) is the largest peak of
-  `calls` steps, plus their spread, plus the allocator margin. Every variable of the model and
+  is False. It chooses as a planned chain does
+  (`tfremat.planner.fit_budget`): a choice's bound
+  (`tfremat.planner.Measured`) is the largest peak of `calls` steps, plus
+  their spread, plus the allocator margin. Every variable of the model and
   of its optimizer is put back after measuring, and the model's train
   function is traced anew.
 
