@@ -244,8 +244,12 @@ PLANNED_ORDER = False
 
 # A plan's measured bound (`planner.Measured`) comes from this many calls of
 # its step: their spread is part of the bound, and what moves between
-# processes is covered by the bound's allocator margin, not by more calls.
-CHECK_CALLS = measure.PEAK_CALLS
+# processes is covered by the bound's allocator margin. An unordered plan
+# whose segments hold several layers peaked from 20.1 to 26.8 MiB over 100
+# later calls of one process (tests/budget_later_test.py's "mlp" chain at
+# 50%); drawn from those calls, 5 gave a bound below their largest peak 12%
+# of the time, 10 gave one 1% of the time.
+CHECK_CALLS = 2 * measure.PEAK_CALLS
 
 
 def measure_peak(layer, x, calls=measure.PEAK_CALLS):
