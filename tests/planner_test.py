@@ -715,8 +715,8 @@ def _fit(peaks, budget, rank=None, gradient_bytes=0, tries=()):
     measured.append(key)
     return peaks[key]
 
-  def search(measure_it, budget_bytes):
-    del budget_bytes
+  def search(measure_it, fits, budget_bytes):
+    del fits, budget_bytes
     for key in tries:
       measure_it(key)
       measure_it(key)  # Measured once all the same.
@@ -757,8 +757,8 @@ def test_fit_budget_is_the_one_search_every_budget_goes_through(monkeypatch):
 
 
 def test_fit_budget_refusal_says_what_was_tried_and_what_to_do():
-  def search(measure_it, budget_bytes):
-    del budget_bytes
+  def search(measure_it, fits, budget_bytes):
+    del fits, budget_bytes
     measure_it(4)
 
   with pytest.raises(errors.BudgetUnreachableError) as caught:

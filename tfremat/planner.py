@@ -324,11 +324,12 @@ def fit_budget(budget, measured_peak, keep, search, rank, gradient_bytes=0,
   2. A budget below the weight gradients plus their allocator margin is
      refused at once (`gradients_floor_error`): no candidate can meet it.
   3. `keep` is chosen if its bound fits, or if the budget is 100% of it.
-  4. `search(measure, budget_bytes)` tries candidates: `measure(key)`
-     returns a candidate's `Measured`.
-  5. Of the candidates measured whose bound fits and whose peak is not
-     above keep's (such a candidate is never worth its time), the first by
-     `rank` (the fastest) is chosen. If none fits, the budget is refused
+  4. `search(measure, fits, budget_bytes)` tries candidates:
+     `measure(key)` returns a candidate's `Measured`, and `fits(measured)`
+     whether it fits: its bound within the budget and its peak not above
+     keep's (such a candidate is never worth its time).
+  5. Of the candidates measured that fit, the first by `rank` (the
+     fastest) is chosen. If none fits, the budget is refused
      (`unreachable_budget_error`, with `refusal`'s words).
 
   Args:
@@ -336,7 +337,7 @@ def fit_budget(budget, measured_peak, keep, search, rank, gradient_bytes=0,
     measured_peak: key -> the per-call peaks of a training step under that
       candidate (or a `Measured`, or one int).
     keep: the key of the candidate that rematerializes nothing.
-    search: (measure, budget_bytes) -> None, as in step 4.
+    search: (measure, fits, budget_bytes) -> None, as in step 4.
     rank: key -> a sort key; lower runs faster.
     gradient_bytes: the weight gradients' bytes, which every candidate's
       step ends holding.
@@ -365,10 +366,13 @@ def fit_budget(budget, measured_peak, keep, search, rank, gradient_bytes=0,
     raise error
   if kept.bound_bytes <= budget_bytes or budget.fraction == 1.0:
     return Fitted(keep, kept, kept, budget, budget_bytes)
-  search(measure_once, budget_bytes)
-  fitting = [key for key, m in tried.items()
-             if m.bound_bytes <= budget_bytes and
-             m.peak_bytes <= kept.peak_bytes]
+
+  def fits(measured):
+    return (measured.bound_bytes <= budget_bytes and
+            measured.peak_bytes <= kept.peak_bytes)
+
+  search(measure_once, fits, budget_bytes)
+  fitting = [key for key, m in tried.items() if fits(m)]
   if fitting:
     chosen = min(fitting, key=rank)
     return Fitted(chosen, tried[chosen], kept, budget, budget_bytes)
@@ -453,9 +457,9 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4, nestable=None,
     segments, ordered = key
     return (measured_ordered if ordered else measured_peak)(list(segments))
 
-  def search(measure_it, budget_bytes):
-    _calibrated(list(costs), measure_it, budget_bytes, rounds, nestable,
-                ordered=measured_ordered is not None)
+  def search(measure_it, fits, budget_bytes):
+    _calibrated(list(costs), measure_it, fits, budget_bytes, rounds,
+                nestable, ordered=measured_ordered is not None)
 
   fitted = fit_budget(
       budget, measured, (tuple(keep_all(len(costs))), False), search,
@@ -468,17 +472,15 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4, nestable=None,
               ordered, fitted.measured, fitted.keep)
 
 
-def _calibrated(costs, measure_it, budget_bytes, rounds, nestable=None,
-                ordered=False):
+def _calibrated(costs, measure_it, fits, budget_bytes, rounds,
+                nestable=None, ordered=False):
   """`calibrated_plan`'s search (its steps 2 to 5), once keeping everything
   has not settled the budget: measures plans through
-  `measure_it((segments, ordered))`, which returns a `Measured`."""
+  `measure_it((segments, ordered))`, which returns a `Measured`; `fits` is
+  `fit_budget`'s."""
   keep_segments = keep_all(len(costs))
   keep = measure_it((tuple(keep_segments), False))  # Measured already.
   keep_peak, keep_seconds = predict(costs, keep_segments)
-
-  def fits(m):
-    return m.bound_bytes <= budget_bytes and m.peak_bytes <= keep.peak_bytes
 
   # Each plan's margin is a fraction of its own peak: the room for peaks.
   aim = int(peak_for_bound(budget_bytes) * (1 - AIM_BELOW))

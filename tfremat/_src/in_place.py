@@ -328,8 +328,8 @@ def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
     try:
       fitted = planner.fit_budget(
           budget, peaks, (0, False),
-          lambda measured, budget_bytes: _fewest_that_fit(
-              measured, budget_bytes, n, nested),
+          lambda measured, fits, _: _fewest_that_fit(measured, fits, n,
+                                                     nested),
           rank=lambda key: (key[1], key[0]),  # Unnested, then fewest.
           refusal=lambda: dict(
               subject=(f"remat_in_place_for_budget: with all {n} layer(s) "
@@ -346,15 +346,16 @@ def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
                        fitted.budget_bytes, nested=nest)
 
 
-def _fewest_that_fit(measured, budget_bytes, n, nested):
+def _fewest_that_fit(measured, fits, n, nested):
   """`remat_in_place_for_budget`'s search (`planner.fit_budget` measures and
-  chooses): the fewest of the first k of n layers whose bound fits, by
-  halving, then, if all n do not fit and `nested`, all n nested.
-  `measured((k, nest))` measures a step with the first k rematerialized."""
-  def fits(k, nest=False):
-    return measured((k, nest)).bound_bytes <= budget_bytes
+  chooses): the fewest of the first k of n layers that fit, by halving,
+  then, if all n do not fit and `nested`, all n nested.
+  `measured((k, nest))` measures a step with the first k rematerialized;
+  `fits` is `fit_budget`'s."""
+  def first_k_fit(k):
+    return fits(measured((k, False)))
 
-  if not fits(n):
+  if not first_k_fit(n):
     if nested:
       # Every layer alone is over: each layer's rerun holds all of its own
       # layers' working sets at once; nested, one at a time.
@@ -363,7 +364,7 @@ def _fewest_that_fit(measured, budget_bytes, n, nested):
   low, high = 0, n  # low does not fit; high does.
   while high - low > 1:
     middle = (low + high) // 2
-    if fits(middle):
+    if first_k_fit(middle):
       high = middle
     else:
       low = middle
