@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -133,3 +134,45 @@ def test_one_executor_thread_frees_each_rerun_before_the_next():
   peaks = json.loads(done.stdout.strip().splitlines()[-1])
   assert peaks["plain"] > 60 * 2**20, peaks
   assert peaks["remat"] <= 0.45 * peaks["plain"], peaks
+
+
+def _ancestors(op):
+  """Every op `op` waits for, through data and control edges."""
+  seen, stack = set(), [op]
+  while stack:
+    current = stack.pop()
+    for parent in [t.op for t in current.inputs] + current.control_inputs:
+      if parent.name not in seen:
+        seen.add(parent.name)
+        stack.append(parent)
+  return seen
+
+
+def test_dropout_masks_are_drawn_when_their_layer_is_reached():
+  # A Keras dropout mask is drawn from a seed and a static shape: nothing of
+  # the layer's input. Unordered, the executor may draw every rematerialized
+  # block's masks (forward and rerun) at the start of the step or of the
+  # rerun and hold them until their layers run, and the step's peak then
+  # moves from call to call by several masks (docs/design.md, "Budgets that
+  # hold"). Each draw must wait for the product it masks, as in eager mode.
+  keras.utils.set_random_seed(0)
+  blocks = [keras.Sequential([keras.layers.Dense(32, activation="relu"),
+                              keras.layers.Dropout(0.5),
+                              keras.layers.Dense(8)]) for _ in range(3)]
+  model = keras.Sequential([tfremat.RematerializationLayer(b) for b in blocks])
+  x = tf.random.stateless_normal([16, 8], seed=[1, 2])
+
+  @tf.function
+  def step(x):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(model(x, training=True))
+    return tape.gradient(loss, model.trainable_weights)
+
+  graph = step.get_concrete_function(x).graph
+  draws = [op for op in graph.get_operations()
+           if op.type == "StatelessRandomUniformV2"]
+  assert len(draws) == 6, [op.name for op in draws]  # Forward and rerun.
+  ops = {op.name: op for op in graph.get_operations()}
+  for draw in draws:
+    assert any(ops[name].type == "MatMul" for name in _ancestors(draw)
+               if name in ops), draw.name

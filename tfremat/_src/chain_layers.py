@@ -291,7 +291,7 @@ def _one_executor_thread():
   only costs memory: on the tests' 10-block MLP, a plan made with the default
   threads peaked at 24.2 MiB ordered and 19.8 MiB unordered in new processes
   with one inter-op thread, and at 19.4 MiB ordered with the default threads
-  (docs/benchmarks.md, "With one inter-op thread").
+  (docs/design.md, "Budgets that hold").
   """
   threads = tf.config.threading.get_inter_op_parallelism_threads()
   if threads == 0:

@@ -8,6 +8,7 @@ import tensorflow as tf
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import record
 from tensorflow.python.eager import tape as tape_lib
+from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops import gen_resource_variable_ops
 from tensorflow.python.ops import resource_variable_ops
 
@@ -17,6 +18,7 @@ from tfremat._src import watch
 
 __all__ = [
     "ForwardOps",
+    "RandomAfterInputs",
     "capture_origin",
     "record_capture",
     "handle",
@@ -24,6 +26,56 @@ __all__ = [
 
 
 _READS = frozenset(["ReadVariableOp", "ResourceGather"])
+
+
+def _is_random(op_type):
+  """Whether ops of `op_type` draw random numbers (stateless ones: stateful
+  draws are refused). `StatelessIf` and `StatelessWhile` are not draws."""
+  return "Random" in op_type or op_type.startswith(
+      ("StatelessTruncated", "StatelessMultinomial", "StatelessParameterized"))
+
+
+class RandomAfterInputs(watch.Handler):
+  """In a graph, makes each random op that reads nothing computed from the
+  call's inputs wait for the last op built before it that does (or, before
+  any, for the inputs).
+
+  A dropout mask is drawn from a seed and a static shape, nothing of the
+  layer's input. Left alone, the graph executor may draw a call's masks (or
+  every rematerialized call's) at the start of the step and hold them until
+  their layers run, and a step's peak then moves from call to call by
+  several masks (docs/design.md, "Budgets that hold"). Waiting for the op
+  built before it, the draw runs when its layer is reached, as in eager
+  mode. XLA ignores control edges and orders its ops itself. Used by the
+  forward pass and by the rerun.
+  """
+
+  def __init__(self, inputs):
+    self._inputs = inputs
+    self._derived = set()
+    self._last = None  # The last op built that reads the inputs.
+
+  def __enter__(self):
+    self._derived = {id(t) for t in self._inputs}
+    self._last = None
+    return super().__enter__()
+
+  def on_op(self, op_type, inputs, outputs, op_name, graph):
+    if graph is None or not outputs:
+      return outputs
+    if any(id(t) in self._derived for t in inputs):
+      self._derived.update(id(t) for t in outputs)
+      self._last = outputs[0].op
+    elif (_is_random(op_type) and
+          not control_flow_util.GraphOrParentsInXlaContext(graph)):
+      anchor = self._last
+      if anchor is None or anchor.graph is not graph:
+        # Nothing built from the inputs yet: the inputs themselves.
+        anchor = next((t.op for t in self._inputs
+                       if getattr(t, "graph", None) is graph), None)
+      if anchor is not None:
+        outputs[0].op._add_control_inputs([anchor])  # pylint: disable=protected-access
+    return outputs
 
 
 class _Refuser(watch.Handler):
@@ -209,7 +261,8 @@ class ForwardOps:
     self._types = state.OpTypes(debug)
     self._closures = _Closures(inputs)
     self._reads = _FirstReads(self._closures)
-    self._handlers = [_Refuser(), self._types, self._closures, self._reads]
+    self._handlers = [_Refuser(), self._types, self._closures, self._reads,
+                      RandomAfterInputs(inputs)]
     self._tapes = _TapesAside()
 
   @property

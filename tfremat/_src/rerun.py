@@ -10,6 +10,7 @@ from tensorflow.python.eager import record
 from tensorflow.python.ops import control_flow_util
 
 from tfremat import errors
+from tfremat._src import forward_ops
 from tfremat._src import rerun_checks
 from tfremat._src import selective
 from tfremat._src import sources
@@ -314,6 +315,7 @@ def _rerun(forward, leaves, keras_values, seed, global_step):
   debug = forward.op_details is not None
   with forward.context, step_seed.replaying(seed, global_step):
     with state.replaying(forward.keras_variables, keras_values) as losses:
-      with state.OpTypes(debug) as ran:
+      with state.OpTypes(debug) as ran, forward_ops.RandomAfterInputs(
+          [x for x in leaves if isinstance(x, tf.Tensor)]):
         outputs = forward.call(leaves)
   return outputs, losses, ran
