@@ -51,8 +51,7 @@ def _chain(name):
     return chain_test._issue_chain(name)  # pylint: disable=protected-access
   if name == "twelve":
     # Twelve Dense blocks, hidden 1024 in every third and 512 in the others:
-    # a 30% budget is about 1.5x its lowest plan's peak, and was refused
-    # while the allocator margin was 10% of keeping everything's peak.
+    # a chain whose lowest plan peaks at a fifth of keeping everything's.
     keras.utils.set_random_seed(0)
     blocks = [keras.Sequential([
         keras.layers.Dense(1024 if i % 3 == 0 else 512, activation="gelu"),
@@ -96,15 +95,14 @@ def _planned(name, fraction, tmp_path_factory):
 
 
 @pytest.mark.slow
-# The lowest bounds measured here, allocator margin included: 47% of the
-# keep-everything peak on residual_mlp idle and 52% beside a CPU-bound
-# process, 30% on bench_mlp (its every-block plan peaks at 20%). Fractions
-# that close to the floor are refused in a loaded process, so those tested
-# keep some room.
+# The lowest bounds, allocator margin included, are about 30% of the
+# keep-everything peak on mlp and twelve, 55-60% on residual_mlp and 35-40%
+# on bench_mlp (their spreads move them). Fractions that close to the floor
+# are refused in a loaded process, so those tested keep some room.
 @pytest.mark.parametrize("name, fraction", [
-    ("mlp", 0.5), ("mlp", 0.8), ("residual_mlp", 0.6),
-    ("residual_mlp", 0.8), ("bench_mlp", 0.4), ("bench_mlp", 0.5),
-    ("bench_mlp", 0.8), ("twelve", 0.3)])
+    ("mlp", 0.5), ("mlp", 0.8), ("residual_mlp", 0.7),
+    ("residual_mlp", 0.8), ("bench_mlp", 0.45), ("bench_mlp", 0.5),
+    ("bench_mlp", 0.8), ("twelve", 0.4)])
 def test_budget_holds_on_100_later_steps_in_a_new_process(
     name, fraction, tmp_path, tmp_path_factory):
   plan, model, x = _planned(name, fraction, tmp_path_factory)

@@ -389,11 +389,12 @@ def test_budgets_hold_when_measured(model):
         blocks, chosen.segments, ordered=chosen.ordered), x)
     assert max(later) <= budget, (fraction, later, budget, str(chosen))
     assert any(chosen.rematerialized)
-  # A budget over the measured peak by more than its spread keeps
-  # everything. Reusing the costs: measuring them again took 15 s of this
-  # test's 64 on the transformer ("100%" through remat_sequential is
-  # test_plan_prints_the_same_after_a_keras_file's).
-  chosen = chain.checked_plan(blocks, int(1.25 * full), x, costs=costs)
+  # A budget over the measured peak by more than its spread and the
+  # allocator margin keeps everything. Reusing the costs: measuring them
+  # again took 15 s of this test's 64 on the transformer ("100%" through
+  # remat_sequential is test_plan_prints_the_same_after_a_keras_file's).
+  chosen = chain.checked_plan(
+      blocks, int((1.1 + planner.ALLOCATOR_MARGIN) * full), x, costs=costs)
   assert not any(chosen.rematerialized), (full, str(chosen))
 
 def _bn_dropout_chain():

@@ -390,5 +390,5 @@ def test_every_budget_goes_through_the_planners_one_search(monkeypatch):
   monkeypatch.setattr(chain, "measure_peaks", lambda layer, x, calls, **_: [
       int(planner.predict(costs, layer.segments)[0])])
   layers = [keras.layers.Identity() for _ in costs]
-  chain.checked_plan(layers, 0.6, None, costs=costs)
+  chain.checked_plan(layers, 0.8, None, costs=costs)
   assert searched[1] == (tuple(planner.keep_all(3)), False)

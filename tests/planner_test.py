@@ -12,6 +12,7 @@ from tfremat._src import cost_model
 from tfremat.planner import Segment
 from conftest import random_costs
 
+_SHIPPED_MARGIN = planner.ALLOCATOR_MARGIN
 
 @pytest.fixture(autouse=True)
 def _no_allocator_margin(monkeypatch):
@@ -432,12 +433,12 @@ def test_allocator_margin_is_part_of_every_bound(monkeypatch):
       costs, keep_peak + keep_margin, _stand_in(costs)).rematerialized)
 
 
-def test_a_budget_a_quarter_above_the_lowest_plans_peak_is_planned(
+def test_a_budget_the_margin_and_spread_above_the_lowest_plans_peak_is_planned(
     monkeypatch):
-  # The margin is the plan's own: a budget 1.25x the lowest plan's peak is
-  # met wherever its calls spread by less than a tenth of it, however much
-  # smaller than keeping everything that plan is.
-  monkeypatch.setattr(planner, "ALLOCATOR_MARGIN", 0.12)
+  # The margin is the plan's own: a budget (1 + ALLOCATOR_MARGIN + spread)
+  # times the lowest plan's peak is met, however much smaller than keeping
+  # everything that plan is.
+  monkeypatch.setattr(planner, "ALLOCATOR_MARGIN", _SHIPPED_MARGIN)
   costs = random_costs(np.random.default_rng(6), 8)
   lowest = int(planner.predict(costs, planner.lowest_plan(costs).segments)[0])
 
@@ -445,8 +446,11 @@ def test_a_budget_a_quarter_above_the_lowest_plans_peak_is_planned(
     peak = int(planner.predict(costs, segments)[0])
     return [peak, int(0.95 * peak), peak]
 
-  chosen = planner.calibrated_plan(costs, int(1.25 * lowest), measured_peak)
+  budget = int((1.051 + planner.ALLOCATOR_MARGIN) * lowest)
+  chosen = planner.calibrated_plan(costs, budget, measured_peak)
   assert chosen.measured.bound_bytes <= chosen.budget_bytes
+  with pytest.raises(errors.BudgetUnreachableError):
+    planner.calibrated_plan(costs, int(0.99 * budget), measured_peak)
 
 
 def _assert_planned_in_one_check(costs, fraction, plan_error=1.0):
