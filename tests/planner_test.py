@@ -14,6 +14,7 @@ from conftest import random_costs
 
 _SHIPPED_MARGIN = planner.ALLOCATOR_MARGIN
 
+
 @pytest.fixture(autouse=True)
 def _no_allocator_margin(monkeypatch):
   # The stand-in measurements below are the cost model's own figures, with
