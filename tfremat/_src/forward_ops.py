@@ -28,13 +28,6 @@ __all__ = [
 _READS = frozenset(["ReadVariableOp", "ResourceGather"])
 
 
-def _is_random(op_type):
-  """Whether ops of `op_type` draw random numbers (stateless ones: stateful
-  draws are refused). `StatelessIf` and `StatelessWhile` are not draws."""
-  return "Random" in op_type or op_type.startswith(
-      ("StatelessTruncated", "StatelessMultinomial", "StatelessParameterized"))
-
-
 class RandomAfterInputs(watch.Handler):
   """In a graph, makes each random op that reads nothing computed from the
   call's inputs wait for the last op built before it that does (or, before
@@ -66,7 +59,7 @@ class RandomAfterInputs(watch.Handler):
     if any(id(t) in self._derived for t in inputs):
       self._derived.update(id(t) for t in outputs)
       self._last = outputs[0].op
-    elif (_is_random(op_type) and
+    elif (selective.is_random_draw(op_type) and
           not control_flow_util.GraphOrParentsInXlaContext(graph)):
       anchor = self._last
       if anchor is None or anchor.graph is not graph:

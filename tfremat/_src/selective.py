@@ -45,6 +45,7 @@ __all__ = [
     "ForwardSaver",
     "in_graph",
     "RerunReplacer",
+    "is_random_draw",
 ]
 
 # Never kept: they compute nothing worth keeping, or their gradient is not
@@ -155,8 +156,9 @@ class Saved:
     self.signature = signature
 
 
-def _is_random_draw(op_type):
-  """Whether the op draws random numbers from a seed (stateless)."""
+def is_random_draw(op_type):
+  """Whether the op draws random numbers from a seed (stateless; stateful
+  draws are refused in a rematerialized call)."""
   return op_type.startswith("Stateless") and not op_type.startswith(
       ("StatelessRandomGet", "StatelessIf", "StatelessWhile", "StatelessCase"))
 
@@ -179,7 +181,7 @@ class _DataTracker:
   def depends_on_data(self, op_type, inputs, outputs):
     """Whether the op just made reads the inputs or a random draw; notes its
     outputs if so. A draw itself is noted, not kept."""
-    if _is_random_draw(op_type):
+    if is_random_draw(op_type):
       self.mark(outputs)
       return False
     if any(id(t) in self._data for t in inputs):
