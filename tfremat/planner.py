@@ -409,7 +409,10 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4, nestable=None,
      This stops after `rounds` plans, when a plan fits and no faster one
      is predicted to, or when a target gives a plan already measured, or
      when the next plan is not predicted to be `FASTER_BY` faster than one
-     that fits.
+     that fits. Then, if no plan fits or the model predicts every layer
+     rematerialized alone (what `remat_model(mode="full")` runs on a chain
+     of blocks) faster than each that does, that plan is measured too: the
+     model can put it just over a budget it meets.
   4. If no plan measured fits, the plan the model predicts to peak lowest
      (`lowest_plan`) is measured too (if it was not).
   5. If that does not fit either, the same plan nested (`Segment.nested`:
@@ -518,7 +521,18 @@ def _calibrated(costs, measure_it, fits, budget_bytes, rounds,
       target = scaled  # Room left: try a faster plan.
     else:
       break  # It fits, and no faster plan is predicted to.
-  if any(fits(m) for _, m in tried.values()):
+  fitting = [seconds for seconds, m in tried.values() if fits(m)]
+  # Every layer rematerialized alone (what `remat_model(mode="full")` runs
+  # on a chain of blocks): the model may put it just over a budget that it
+  # meets, and then finds plans that rerun as much in longer segments,
+  # which wait on more. Measured when no plan fits or when predicted faster
+  # than each that does; `fit_budget` then takes the fastest.
+  alone = tuple(uniform_segments(len(costs), len(costs)))
+  if alone not in tried and (
+      not fitting or predict(costs, list(alone))[1] < min(fitting)):
+    if fits(measure_it((alone, False))):
+      return
+  if fitting:
     return
   # Before refusing: the plan the model predicts to peak lowest, if the
   # rounds did not get down to it (plans near the budget measured over it,
