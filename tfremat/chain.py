@@ -219,9 +219,10 @@ def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
   """
   layers = layers_lib.keras_layers(layers, "checked_plan", chain=True)
   budget = planner.Budget.parse(budget)
-  # Each layer, keeping everything, the rounds' plans and, before refusing,
-  # the lowest plan (the bar is filled at the end when that is not needed).
-  steps = (len(layers) if costs is None else 0) + 1 + rounds + 1
+  # Each layer, keeping everything, the rounds' plans, every layer alone
+  # and, before refusing, the lowest plan (the bar is filled at the end when
+  # those are not needed).
+  steps = (len(layers) if costs is None else 0) + 1 + rounds + 2
   progress = measure.progress_bar(steps, "measurement", verbose)
 
   def measured_peak(segments, ordered=PLANNED_ORDER, **kwargs):

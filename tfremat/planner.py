@@ -19,11 +19,8 @@ the segment's output is stored; the segment reruns in the backward pass). The
 cost model below predicts a plan's peak and step time from per-layer
 measurements; `plan` finds the fastest plan whose predicted peak fits the
 budget, exactly, by dynamic programming over (retained bytes, time) Pareto
-fronts; `calibrated_plan` checks its choices against measured peaks.
-Recursive schedules (rematerializing inside a rematerialized segment) are
-not searched; before a budget is refused, the lowest plan is measured with
-its layers' own layers rematerialized inside their reruns (`Segment.nested`,
-`calibrated_plan`).
+fronts; `calibrated_plan` checks its choices against measured peaks and,
+before refusing a budget, measures the lowest plan nested (`Segment.nested`).
 """
 
 import dataclasses
@@ -86,13 +83,12 @@ class Measured:
   one, so a plan is held to a bound above what was measured: the largest
   peak, plus the spread (largest less smallest) of the calls, plus an
   allocator margin. The spread covers what moves from call to call (the
-  graph executor's threads order independent ops differently). The margin
-  covers what moves from process to process: TensorFlow's BFC allocator
-  (on the CPU here, and on GPUs) counts a tensor placed in a free chunk
-  less than twice its size as the whole chunk, and which chunks are free
-  depends on everything the process did before. A step's peak can move by
-  that rounding of the tensors it holds, so the margin is a fraction of the
-  plan's own largest peak (`ALLOCATOR_MARGIN`).
+  graph executor's threads order independent ops differently); the margin,
+  a fraction of the plan's own largest peak (`ALLOCATOR_MARGIN`), what
+  moves from process to process: TensorFlow's BFC allocator (CPU and GPU)
+  counts a tensor placed in a free chunk less than twice its size as the
+  whole chunk, and which chunks are free depends on what the process did
+  before.
 
   Attributes:
     peak_bytes: the largest peak of the calls.
@@ -143,13 +139,11 @@ def peak_for_bound(bound_bytes):
 
 
 # The allocator margin of every plan's bound, as a fraction of the plan's
-# own measured peak (`Measured`): what one plan's peak moved by between the
-# process that planned it and fresh processes that loaded it, beyond the
-# spread of its calls (docs/design.md, "Budgets that hold"): up to 27% with
-# one inter-op thread, whose calls do not spread, and 18% beyond the spread
-# with the default threads. A budget at 1.35x the lowest plan's peak, plus
-# that plan's spread, is then planned. Set it to 0 to plan on this process's
-# measurements alone.
+# own measured peak (`Measured`): one plan's peak in fresh processes rose up
+# to 27% above its measured peak with one inter-op thread (whose calls do not
+# spread), and 18% beyond the spread with the default threads
+# (docs/design.md, "Budgets that hold"). Set it to 0 to plan on this
+# process's measurements alone.
 ALLOCATOR_MARGIN = 0.35
 
 
@@ -159,14 +153,12 @@ def lowest_plan(costs):
   least elsewhere.
 
   Several plans often share the model's lowest peak, set by one layer's
-  working set, but a measured step's peak is not always where the model
-  puts it. Layers kept where the model sees room below that peak raise it
-  (a 4-layer KerasHub GemmaBackbone: its fastest plan at the floor peaked at
-  0.41x of keeping everything, every layer rematerialized alone at 0.34x),
-  and so do long rematerialized segments, which retain less but rerun more
-  at once (MobileNetV2 at 64x64, batch 8: 29.0 MiB with 5 segments over its
-  9 parts, 21.8 MiB with every part alone, both at the model's floor). So
-  the plan measured last, before a budget is refused, is this one.
+  working set, but measured steps do not: layers kept where the model sees
+  room raise the peak (a 4-layer KerasHub GemmaBackbone: its fastest plan at
+  the floor at 0.41x of keeping everything, every layer alone at 0.34x), and
+  so do long rematerialized segments, which rerun more at once (MobileNetV2
+  at 64x64, batch 8: 29.0 MiB with 5 segments over its 9 parts, 21.8 MiB
+  with every part alone). So this plan is measured before a refusal.
   """
   table = cost_model.segment_table(costs)
   need = smallest_budget(costs, table)
@@ -437,8 +429,9 @@ def calibrated_plan(costs, budget, measured_peak, rounds=4, nestable=None,
     measured_peak: segments -> the measured peaks of a training step of the
       chain under them: a list of per-call peaks, a `Measured`, or one int
       (`tfremat.chain.checked_plan` measures).
-    rounds: how many plans to measure at most, besides keeping everything
-      and, before refusing, the lowest plan (steps 4 and 5).
+    rounds: how many plans to measure at most, besides keeping everything,
+      every layer alone (step 3) and, before refusing, the lowest plan
+      (steps 4 and 5).
     nestable: per layer, whether it has layers of its own to rematerialize
       inside its rerun (step 5); None: none has.
     gradient_bytes: the bytes of the weight gradients the chain's training
@@ -521,12 +514,23 @@ def _calibrated(costs, measure_it, fits, budget_bytes, rounds,
       target = scaled  # Room left: try a faster plan.
     else:
       break  # It fits, and no faster plan is predicted to.
+  _last_candidates(costs, tried, measure_it, fits, floor_plan, nestable,
+                   ordered)
+
+
+def _last_candidates(costs, tried, measure_it, fits, floor_plan, nestable,
+                     ordered):
+  """`_calibrated`'s candidates after its rounds (`tried`: segments ->
+  (predicted seconds, Measured)).
+
+  Every layer rematerialized alone (`remat_model(mode="full")` on a chain
+  of blocks), when no plan fits or when predicted faster than each that
+  does: the model can put it just over a budget it meets, and find plans
+  that rerun as much in longer segments, which wait on more. Then, if none
+  fits, the plan the model predicts to peak lowest, and that plan nested,
+  lower still and slower; each unordered, then ordered.
+  """
   fitting = [seconds for seconds, m in tried.values() if fits(m)]
-  # Every layer rematerialized alone (what `remat_model(mode="full")` runs
-  # on a chain of blocks): the model may put it just over a budget that it
-  # meets, and then finds plans that rerun as much in longer segments,
-  # which wait on more. Measured when no plan fits or when predicted faster
-  # than each that does; `fit_budget` then takes the fastest.
   alone = tuple(uniform_segments(len(costs), len(costs)))
   if alone not in tried and (
       not fitting or predict(costs, list(alone))[1] < min(fitting)):
@@ -534,11 +538,6 @@ def _calibrated(costs, measure_it, fits, budget_bytes, rounds,
       return
   if fitting:
     return
-  # Before refusing: the plan the model predicts to peak lowest, if the
-  # rounds did not get down to it (plans near the budget measured over it,
-  # and each round lowered the target only a little); then, if it does not
-  # fit, the same plan nested, lower still and slower. Each is tried
-  # ordered too, right after it is tried unordered.
   lowest = floor_plan().segments
   for segments in (lowest, cost_model.nested_segments(lowest, nestable)):
     for in_order in (False, True)[:1 + bool(ordered)]:
