@@ -300,7 +300,7 @@ def test_an_unreachable_fraction_names_the_lowest_and_what_dominates_it(
   with pytest.raises(ValueError, match=(
       r"(?s)budget of 20% of the keep-everything peak.*the lowest bound "
       r"measured is .* MiB, \d+% of the measured keep-everything peak.*"
-      # What the bound is made of: the allocator margin alone is 10 points.
+      # What the bound is made of.
       r"that plan's largest peak, .* MiB, plus the spread of its calls, .* "
       r"MiB, plus the allocator margin, .* MiB.*"
       r"What every plan holds, by the cost model: ")):

@@ -40,7 +40,7 @@ def test_budget_plans_keras_hub_backbones_exactly_and_within_budget(name):
   keras.utils.set_random_seed(0)
   # The plan that peaks lowest with each transformer layer rerun whole (one
   # per segment) holds one layer's working set: with 4 layers its bound
-  # (peak, spread and the allocator margin's 10 points) measured 42%-50.5%
+  # (peak, spread and the allocator margin) measured 42%-50.5%
   # of keeping everything. Nested (each layer's attention and feed-forward
   # rerun one at a time), which the planner measures before refusing, about
   # 35%.
