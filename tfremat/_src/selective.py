@@ -134,6 +134,17 @@ def _signature(op):
                 t.dtype) for t in op.outputs)
 
 
+def _alike(first, second):
+  """Whether two ops' signatures can be the same op's: the same dtypes, and
+  shapes that agree wherever both are known. A step traced for any batch
+  size may know fewer dimensions in its rerun than in its forward pass (a
+  reshape that reads the batch from its input)."""
+  return len(first) == len(second) and all(
+      a_dtype == b_dtype and tf.TensorShape(a_shape).is_compatible_with(
+          tf.TensorShape(b_shape))
+      for (a_shape, a_dtype), (b_shape, b_dtype) in zip(first, second))
+
+
 def keeps(policy, info):
   """Whether `policy` keeps the op `info` (a `policies.Op`) describes; a
   policy answering anything but True, False or None is refused."""
@@ -307,7 +318,7 @@ class RerunReplacer(_OpWatcher):
     saved = self.saver.saved.get((kind, index))
     if saved is None:
       return outputs
-    if saved.signature != signature:
+    if not _alike(saved.signature, signature):
       self._mismatch(kind, f"its op {index} of kind {kind!r} has outputs "
                      f"{signature} where the forward pass's had "
                      f"{saved.signature}")
@@ -330,7 +341,8 @@ class RerunReplacer(_OpWatcher):
     for kind in kinds:
       forward = self.saver.signatures.get(kind, [])
       rerun = self.signatures.get(kind, [])
-      if forward != rerun:
+      if len(forward) != len(rerun) or not all(
+          _alike(f, r) for f, r in zip(forward, rerun)):
         self._mismatch(kind, f"{len(rerun)} op(s) of kind {kind!r} where the "
                        f"forward pass made {len(forward)}, or with other "
                        "shapes")
