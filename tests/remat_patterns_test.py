@@ -17,6 +17,7 @@ import pytest
 import tensorflow as tf
 
 import tfremat
+from tfremat import measure
 from conftest import DEVICE_MODES, DEVICES, MODES, device_modes
 from conftest import assert_parity, assert_trees_close, compile_step, snapshot
 
@@ -202,17 +203,16 @@ def test_inner_tape_leaves_no_activations_on_the_outer_tape():
       total = tf.reduce_sum(h)
     return h * tape.gradient(total, x)
 
-  held = {}
-  for use_remat in (False, True):
-    x = tf.random.stateless_normal([512, 1024], seed=[1, 2])  # 2 MiB.
-    baseline = tf.config.experimental.get_memory_info("CPU:0")["current"]
+  def taped(use_remat, x):
     with tf.GradientTape() as outer:
       outer.watch(x)
       y = tfremat.RematerializeFn(fn, x) if use_remat else fn(x)
-      held[use_remat] = (
-          tf.config.experimental.get_memory_info("CPU:0")["current"] -
-          baseline)
-    del outer, y
+    return outer, y
+
+  held = {}
+  for use_remat in (False, True):
+    x = tf.random.stateless_normal([512, 1024], seed=[1, 2])  # 2 MiB.
+    _, held[use_remat] = measure.held_bytes(taped, use_remat, x)
   # Plain keeps about 3 tensors per tanh step; rematerialized, the inputs.
   assert held[True] < 0.2 * held[False], held
 

@@ -5,20 +5,36 @@
   print(tfremat.measure.format_bytes(peak))         # e.g. "79.0 MiB"
   saved = 1 - peak_with_remat / peak_without_remat  # what remat saved
 
-A step's peak is the allocator's peak during one call above what was
-allocated just before it: weights, optimizer slots and the batch are not
-counted; activations, temporaries and gradients are. That is what
-rematerialization changes and what the planner's budgets bound. The benchmark,
-the planner and the examples all measure with this module.
+A step's peak is the largest total size of the tensors it has allocated and
+not yet freed, at any moment of one call: their requested sizes, as
+TensorFlow's allocator reports each allocation and deallocation to its
+profiler. Weights, optimizer slots and the batch, allocated before the call,
+are not counted; activations, temporaries and gradients are. That is what
+rematerialization changes and what the planner's budgets bound. It is the
+same in every process, whatever the allocator did before: XLA's and
+PyTorch's planners count memory the same way, from tensor sizes.
 
-It measures the first GPU when there is one, else the CPU. On the CPU,
-TensorFlow keeps allocator statistics only with its BFC allocator, which
-importing tfremat turns on (TF_CPU_ALLOCATOR_USE_BFC=true) if TensorFlow has
-not run an op yet.
+What the allocator takes for those tensors is more: TensorFlow's BFC
+allocator (the GPU's, and the CPU's with TF_CPU_ALLOCATOR_USE_BFC=true) puts
+a tensor in a chunk of up to twice its size, and which chunks are free
+depends on what the process did before. `step_peaks` gives both, and the
+benchmark reports the allocator's overhead over the tensors' bytes
+(docs/design.md, "What a budget bounds").
+
+It measures the first GPU when there is one, else the CPU. On the CPU the
+allocator's records reach the profiler from TensorFlow's BFC allocator only,
+which importing tfremat turns on (TF_CPU_ALLOCATOR_USE_BFC=true) if
+TensorFlow has not run an op yet. The benchmark, the planner and the
+examples all measure with this module.
 """
 
 import contextlib
+import dataclasses
+import functools
+import pathlib
+import re
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -28,9 +44,11 @@ from tfremat import errors
 
 __all__ = [
     "memory_device",
-    "current_bytes",
     "peak_bytes",
     "peaks",
+    "step_peaks",
+    "StepPeak",
+    "held_bytes",
     "replicated",
     "median_seconds",
     "seconds",
@@ -40,10 +58,9 @@ __all__ = [
     "PEAK_CALLS",
 ]
 
-# The peak of one traced step varies from call to call (the executor's
-# threads order independent ops differently; docs/benchmarks.md,
-# "Measurements behind the defaults"), so `peak_bytes` takes the largest
-# over this many calls by default.
+# A traced step's peak can move from call to call where the executor's
+# threads order independent ops differently, so `peak_bytes` takes the
+# largest over this many calls by default.
 PEAK_CALLS = 5
 
 
@@ -53,47 +70,51 @@ def memory_device():
   return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
 
 
-_PROBE_ELEMENTS = 2**16  # A 256 KiB tensor that the statistics must see.
+@dataclasses.dataclass(frozen=True)
+class StepPeak:
+  """One call's memory, from the allocator's records of its allocations.
 
-
-def _check_statistics(device):
-  """Raises unless `device`'s allocator keeps real statistics.
-
-  Some allocators report statistics that are always zero (TensorFlow's
-  default CPU allocator does on some builds) where others raise: a tensor
-  held while reading them tells a real count from a meaningless one.
+  Attributes:
+    requested_bytes: the largest total of the tensors allocated during the
+      call and not yet freed (their requested sizes): the step's peak.
+    allocated_bytes: the largest total of what the allocator took for them
+      (its chunks: 256-byte multiples, up to twice a tensor's size).
+    held_bytes: the requested bytes still allocated when the call returned
+      (its results, and what it keeps alive).
   """
-  problem = None
-  try:
-    with tf.device(device):
-      probe = tf.fill([_PROBE_ELEMENTS], 1.0)
-      info = tf.config.experimental.get_memory_info(device)
-      del probe
-    if info["current"] < 4 * _PROBE_ELEMENTS:
-      problem = "reports no allocation while a tensor is held"
-  except ValueError as e:
-    problem = f"keeps none ({e})"
-  if problem is not None:
+  requested_bytes: int
+  allocated_bytes: int
+  held_bytes: int
+
+
+@functools.cache
+def _check_allocator(device):
+  """Raises unless the profiler sees `device`'s allocator allocate a 1 KiB
+  tensor (once per device and process). TensorFlow's BFC allocator reports
+  every allocation; its default CPU allocator reports only tensors above
+  256 KiB (with oneDNN) or none at all (without)."""
+  with _Allocations(device) as recorded:
+    with recorded.call():
+      with tf.device(device):
+        probe = tf.fill([256], 1.0)
+        _wait(probe)
+        del probe
+  if recorded.peaks[0].requested_bytes < 1024:
     raise errors.UnsupportedError(
-        f"TensorFlow's allocator statistics for {device} are not usable (it "
-        f"{problem}), so a step's peak cannot be measured. On the CPU they "
-        "need the BFC allocator: set TF_CPU_ALLOCATOR_USE_BFC=true in the "
-        "environment, or import tfremat before TensorFlow runs its first op.")
-
-
-def current_bytes():
-  """Bytes the measured device's allocator holds now."""
-  device = memory_device()
-  _check_statistics(device)
-  return tf.config.experimental.get_memory_info(device)["current"]
+        f"TensorFlow's allocator for {device} does not report every "
+        "allocation to its profiler (only its BFC allocator does), so a "
+        "step's memory cannot be measured. On the CPU set "
+        "TF_CPU_ALLOCATOR_USE_BFC=true in the environment, or import "
+        "tfremat before TensorFlow runs its first op.")
 
 
 def peak_bytes(step, *args, calls=PEAK_CALLS, warmup=True, **kwargs):
   """The peak memory of calling `step(*args, **kwargs)`, in bytes.
 
-  The allocator's peak during a call above its level just before the call;
-  the largest over `calls` calls. Every call's result is waited for, so
-  asynchronous execution does not hide part of the step.
+  The largest total size of the tensors the call has allocated and not yet
+  freed, at any moment of the call; the largest over `calls` calls. Every
+  call's result is waited for, so asynchronous execution does not hide part
+  of the step.
 
   Args:
     step: a training step: a `tf.function`, an eager function, or a Keras
@@ -110,8 +131,10 @@ def peak_bytes(step, *args, calls=PEAK_CALLS, warmup=True, **kwargs):
     An int, bytes.
 
   Raises:
-    RuntimeError: TensorFlow keeps no allocator statistics for the device
-      (the message says how to turn them on).
+    RuntimeError: the device's allocator is not TensorFlow's BFC allocator
+      (the message says how to turn it on), TensorFlow's profiler is running
+      already (it runs one session at a time), or it did not record the
+      calls.
     ValueError: `calls` is not a positive int.
   """
   return max(peaks(step, *args, calls=calls, warmup=warmup, **kwargs))
@@ -119,23 +142,166 @@ def peak_bytes(step, *args, calls=PEAK_CALLS, warmup=True, **kwargs):
 
 def peaks(step, *args, calls=PEAK_CALLS, warmup=True, **kwargs):
   """Every call's peak, as `peak_bytes` measures them: a list of ints."""
+  return [p.requested_bytes for p in step_peaks(
+      step, *args, calls=calls, warmup=warmup, **kwargs)]
+
+
+def step_peaks(step, *args, calls=PEAK_CALLS, warmup=True, **kwargs):
+  """Every call's `StepPeak`: the tensors' peak, the allocator's, and what
+  the call left allocated. Arguments as for `peak_bytes`."""
   if isinstance(calls, bool) or not isinstance(calls, int) or calls < 1:
-    raise errors.InvalidArgumentError(f"calls must be a positive int; got {calls!r}.")
+    raise errors.InvalidArgumentError(
+        f"calls must be a positive int; got {calls!r}.")
   device = memory_device()
-  _check_statistics(device)
+  _check_allocator(device)
   if warmup:
     _wait(step(*args, **kwargs))
+  with _Allocations(device) as recorded:
+    for _ in range(calls):
+      with recorded.call():
+        _wait(step(*args, **kwargs))
+  return recorded.peaks
+
+
+def held_bytes(fn, *args, **kwargs):
+  """`(fn(*args, **kwargs), bytes)`: the call's result and the bytes of the
+  tensors it allocated that are still allocated when it returns (held by
+  its result, or by a `tf.GradientTape` it returns, say)."""
+  device = memory_device()
+  _check_allocator(device)
+  with _Allocations(device) as recorded:
+    with recorded.call():
+      result = fn(*args, **kwargs)
+      _wait(result)
+  return result, recorded.peaks[0].held_bytes
+
+
+# The name of the profiler event around each measured call.
+_CALL = "tfremat.measure.call"
+
+
+class _Allocations:
+  """Records the allocator's allocations and deallocations on `device`
+  during the calls made inside `call()`, through TensorFlow's profiler
+  (its host tracer records each one, with the requested and the allocated
+  size, whichever allocator is in use); `peaks` holds a `StepPeak` per
+  call once the block ends."""
+
+  def __init__(self, device):
+    self.device = device
+    self.peaks = []
+    self._folder = None
+    self._count = 0
+
+  def __enter__(self):
+    self._folder = tempfile.TemporaryDirectory(prefix="tfremat_measure_")
+    try:
+      tf.profiler.experimental.start(
+          self._folder.name, tf.profiler.experimental.ProfilerOptions(
+              host_tracer_level=2, python_tracer_level=0,
+              device_tracer_level=0))
+    except tf.errors.AlreadyExistsError:
+      self._folder.cleanup()
+      raise errors.UnsupportedError(
+          "A step's memory is measured through TensorFlow's profiler, which "
+          "runs one session at a time, and another is running. Stop it "
+          "(tf.profiler.experimental.stop()) before measuring, or measure "
+          "outside it.") from None
+    return self
+
+  def call(self):
+    """A block around one measured call."""
+    self._count += 1
+    return tf.profiler.experimental.Trace(_CALL, step_num=self._count, _r=1)
+
+  def __exit__(self, *exc_info):
+    try:
+      tf.profiler.experimental.stop()
+      if exc_info[0] is None:
+        written = sorted(pathlib.Path(self._folder.name).glob(
+            "plugins/profile/*/*.xplane.pb"))
+        if not written:
+          raise errors.UnsupportedError(
+              "TensorFlow's profiler wrote no trace, so a step's memory "
+              "cannot be measured in this process.")
+        self.peaks = _parse(written[-1].read_bytes(), self.device,
+                            self._count)
+    finally:
+      self._folder.cleanup()
+    return False
+
+
+def _parse(data, device, calls):
+  """A StepPeak per measured call, from a serialized XSpace."""
+  # pylint: disable-next=g-import-not-at-top
+  from tensorflow.tsl.profiler.protobuf import xplane_pb2
+  space = xplane_pb2.XSpace()
+  space.ParseFromString(data)
+  windows, events = [], []
+  for plane in space.planes:
+    if not plane.name.startswith("/host:"):
+      continue
+    names = {k: v.name for k, v in plane.event_metadata.items()}
+    stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
+    for line in plane.lines:
+      for event in line.events:
+        name = names.get(event.metadata_id)
+        begin = line.timestamp_ns * 1000 + event.offset_ps
+        if name == _CALL:
+          windows.append((begin, begin + event.duration_ps))
+        elif name in ("MemoryAllocation", "MemoryDeallocation"):
+          stats = {stat_names.get(s.metadata_id): s for s in event.stats}
+          allocator = stats.get("allocator_name")
+          allocator = (stat_names.get(allocator.ref_value, allocator.str_value)
+                       if allocator is not None else "")
+          if not _on_device(allocator, device):
+            continue
+          sign = 1 if name == "MemoryAllocation" else -1
+          # At the same instant, an allocation counts before a release.
+          events.append((begin, -sign, sign * _int(stats, "requested_bytes"),
+                         sign * _int(stats, "allocation_bytes")))
+  if len(windows) != calls:
+    raise errors.UnsupportedError(
+        f"TensorFlow's profiler recorded {len(windows)} of the {calls} "
+        "measured calls: a step's memory cannot be measured in this process "
+        "(is TensorFlow's profiler available in this build?).")
+  events.sort()
   found = []
-  for _ in range(calls):
-    tf.config.experimental.reset_memory_stats(device)
-    baseline = tf.config.experimental.get_memory_info(device)["current"]
-    _wait(step(*args, **kwargs))
-    found.append(int(
-        tf.config.experimental.get_memory_info(device)["peak"] - baseline))
+  for begin, end in sorted(windows):
+    requested = allocated = top_requested = top_allocated = 0
+    for when, _, req, alloc in events:
+      if when < begin:
+        continue
+      if when > end:
+        break
+      requested += req
+      allocated += alloc
+      top_requested = max(top_requested, requested)
+      top_allocated = max(top_allocated, allocated)
+    found.append(StepPeak(top_requested, top_allocated, max(0, requested)))
   return found
 
 
-def replicated(fn, jit_compile=False):
+def _int(stats, name):
+  stat = stats.get(name)
+  if stat is None:
+    return 0
+  return int(stat.int64_value or stat.uint64_value)
+
+
+def _on_device(allocator, device):
+  """Whether the allocator named `allocator` serves `device` ("GPU:0",
+  "CPU:0"): a GPU's is "GPU_0_bfc" (or "gpu_async_0"); pinned host memory
+  for copies ("cuda_host_bfc", "gpu_host_bfc") serves neither; the CPU's
+  has any other name ("mklcpu", "cpu", "bfc_cpu_allocator_for_gpu")."""
+  name = allocator.lower()
+  gpu = re.match(r"gpu_(?:async_)?(\d+)", name)
+  if device.startswith("GPU"):
+    return gpu is not None and gpu.group(1) == device.split(":")[1]
+  return gpu is None and "host" not in name
+
+
+def replicated(fn, jit_compile=False, reduce_retracing=False):
   """`fn` as a `tf.function` to measure; under a `tf.distribute` strategy's
   scope, one that runs `fn` in every replica, each on the same arguments.
 
@@ -147,7 +313,8 @@ def replicated(fn, jit_compile=False):
   """
   if not (tf.distribute.has_strategy() and
           tf.distribute.in_cross_replica_context()):
-    return tf.function(fn, jit_compile=jit_compile)
+    return tf.function(fn, jit_compile=jit_compile,
+                       reduce_retracing=reduce_retracing)
   strategy = tf.distribute.get_strategy()
   body = tf.function(fn, jit_compile=True) if jit_compile else fn
 
@@ -157,7 +324,7 @@ def replicated(fn, jit_compile=False):
     with tf.control_dependencies(tf.nest.flatten(results)):
       return tf.nest.map_structure(tf.identity, results[0])
 
-  return tf.function(in_replicas)
+  return tf.function(in_replicas, reduce_retracing=reduce_retracing)
 
 
 def _wait(result):
