@@ -125,7 +125,7 @@ def test_half_the_peak_plans_on_densenet_at_a_larger_batch():
   # At the sizes above half the peak is out of reach: the lowest bounds
   # measured were 56%-62% of keeping everything at batch 8, held up by the
   # weight gradients (ResNet50's are 45% of its peak) or by one block's
-  # working set while it reruns, plus the allocator margin. At
+  # working set while it reruns, plus the reserve. At
   # batch 32 DenseNet121's blocks are small beside its peak (ResNet50's and
   # MobileNetV2's are not: 63% and 55% there), and a budget of 50% plans.
   keras.utils.set_random_seed(0)

@@ -14,8 +14,9 @@ import sys
 import textwrap
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# Memory tests read the allocator's statistics, kept on the CPU by the BFC
-# allocator only; TensorFlow starts below, before tfremat could set it.
+
+# A step's memory is measured from the CPU's BFC allocator, which importing
+# tfremat turns on; TensorFlow starts below, before tfremat is imported.
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 import keras  # pylint: disable=g-import-not-at-top
@@ -331,3 +332,64 @@ def scoped_or_plain(model):
       return model(x, training=True)
 
   return call
+
+
+def sample_chain(name):
+  """(blocks, batch): the chains the planner's tests plan, by name.
+
+  "tanh": six Dense(64, tanh) at batch 2048, each keeping only its output;
+  "wide_hidden": weight gradients as large as activations; "residual_mlp":
+  eight functional residual blocks Dense(1024, gelu), Dropout, Dense(256)
+  at batch 512; "mlp": ten residual MLP blocks of width 64 at batch 2048 (4
+  MiB activations each); "twelve": twelve Dense blocks, hidden 1024 in
+  every third and 512 in the others, whose lowest plan peaks at about a
+  fifth of keeping everything's; "bench_mlp" and "bench_transformer": the
+  benchmark's chains at its default sizes.
+  """
+  # pylint: disable=g-import-not-at-top
+  from tfremat import bench
+  from tfremat import models
+  keras.utils.set_random_seed(0)
+  if name in ("bench_mlp", "bench_transformer"):
+    model = name.split("_")[1]
+    return bench.chain_and_batch(model, bench.DEFAULTS[model], 0.1)
+  if name == "mlp":
+    return (models.residual_mlp(10, 64, dropout=0.1, residual_inside=True),
+            tf.random.stateless_normal([2048, 64], seed=[1, 2]))
+  if name == "tanh":
+    blocks = [keras.Sequential([keras.layers.Dense(64, activation="tanh")])
+              for _ in range(6)]
+    x = tf.random.stateless_normal([2048, 64], seed=[1, 2])
+  elif name == "wide_hidden":
+    blocks = [keras.Sequential([keras.layers.Dense(512, activation="relu"),
+                                keras.layers.Dense(128)]) for _ in range(6)]
+    x = tf.random.stateless_normal([256, 128], seed=[1, 2])
+  elif name == "twelve":
+    blocks = [keras.Sequential([
+        keras.layers.Dense(1024 if i % 3 == 0 else 512, activation="gelu"),
+        keras.layers.Dense(128)]) for i in range(12)]
+    x = tf.random.stateless_normal([2048, 128], seed=[1, 2])
+  elif name == "residual_mlp":
+    blocks, x = [], tf.random.stateless_normal([512, 256], seed=[1, 2])
+    for i in range(8):
+      h = inputs = keras.Input((256,))
+      h = keras.layers.Dense(1024, activation="gelu")(h)
+      h = keras.layers.Dropout(0.1, seed=i)(h)
+      blocks.append(keras.Model(inputs, inputs + keras.layers.Dense(256)(h)))
+  else:
+    raise ValueError(f"no sample chain {name!r}")
+  for block in blocks:
+    block.build(x.shape)
+  return blocks, x
+
+
+def functional_mlp():
+  """(model, batch): one functional model of eight residual blocks,
+  Dense(1024, gelu) then Dense(256), at batch 512, as a user builds it."""
+  keras.utils.set_random_seed(0)
+  h = inputs = keras.Input((256,))
+  for _ in range(8):
+    y = keras.layers.Dense(1024, activation="gelu")(h)
+    h = keras.layers.Add()([h, keras.layers.Dense(256)(y)])
+  return (keras.Model(inputs, h),
+          tf.random.stateless_normal([512, 256], seed=[1, 2]))

@@ -35,10 +35,9 @@ GLOBAL_BATCH = 8
 # bound is above its own peak, still does not fit, so the plan
 # rematerializes a part.
 BUDGET = "90%"
-# The planner's allocator margin is for plans trained in a later process;
-# these are trained in the process that planned them, and the margin (10% of
-# keeping everything) would leave the plans above little room.
-tfremat.planner.ALLOCATOR_MARGIN = 0.0
+# The planner's reserve is for plans trained in a later process; these are
+# trained in the process that planned them.
+SETTINGS = tfremat.planner.Settings(reserve=0.0)
 WIDE_BLOCKS = 4
 STEPS = 2
 X = np.random.RandomState(0).randn(GLOBAL_BATCH * STEPS, 6).astype("float32")
@@ -100,6 +99,7 @@ def fit_training(strategy, wrap, mode=None, hidden=8, blocks=2,
       # Keep or recompute only: save policies would add measurements, and
       # what is checked here is measuring in the strategy's scope.
       model = tfremat.remat_model(model, budget=BUDGET, verbose=0,
+                                  settings=SETTINGS,
                                   sample_input=np.tile(X, [256, 1]),
                                   policies=())
     elif mode is not None:

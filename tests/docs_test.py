@@ -82,7 +82,7 @@ _CITED = re.compile(
 
 def test_every_code_name_the_docs_cite_exists():
   # A renamed or removed function, constant or module named in the docs
-  # (`planner.ALLOCATOR_MARGIN`, `tfremat.chain.measure_chain`) fails here.
+  # (`planner.DEFAULT_SETTINGS`, `tfremat.chain.measure_chain`) fails here.
   import importlib  # pylint: disable=import-outside-toplevel
   missing = []
   for page in PAGES + [ROOT / "CONTRIBUTING.md"]:

@@ -40,7 +40,7 @@ def test_budget_plans_keras_hub_backbones_exactly_and_within_budget(name):
   keras.utils.set_random_seed(0)
   # The plan that peaks lowest with each transformer layer rerun whole (one
   # per segment) holds one layer's working set: with 4 layers its bound
-  # (peak, spread and the allocator margin) measured 42%-50.5%
+  # (peak, spread and reserve) measured 42%-50.5%
   # of keeping everything. Nested (each layer's attention and feed-forward
   # rerun one at a time), which the planner measures before refusing, about
   # 35%.
@@ -76,14 +76,12 @@ def test_budget_plans_keras_hub_backbones_exactly_and_within_budget(name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "gemma"])
-def test_a_budget_below_each_layer_alone_plans_nested_exactly(name,
-                                                               monkeypatch):
-  # Without the allocator margin, 30% is below the lowest plan rerunning
-  # whole transformer layers (its peak measured 0.31x-0.36x of keeping
-  # everything, and its bound adds the calls' spread) and above it nested
-  # (0.23x-0.26x): the planner nests the layers' own layers, and the
-  # gradients and state stay the original's.
-  monkeypatch.setattr(planner, "ALLOCATOR_MARGIN", 0.0)
+def test_a_budget_below_each_layer_alone_plans_nested_exactly(name):
+  # 30% is below the lowest plan rerunning whole transformer layers (its
+  # peak measured 0.31x-0.36x of keeping everything, and its bound adds the
+  # calls' spread and the reserve) and above it nested (0.23x-0.26x): the
+  # planner nests the layers' own layers, and the gradients and state stay
+  # the original's.
   keras.utils.set_random_seed(0)
   model, batch = _backbone(name), _batch(name)
   planned = tfremat.remat_model(model, budget=0.3, sample_input=batch,

@@ -98,11 +98,16 @@ def test_each_idea_sits_at_its_level():
   assert graph["errors"] == set()  # Every module may raise them.
   deps = {m: found - {"errors"} for m, found in graph.items()}
   assert deps["measure"] == set()  # The bottom: used by all who measure.
-  # Pure: computes, never measures; its segments carry policies (values).
-  assert deps["planner"] <= {"measure", "policies", "_src.cost_model",
-                             "_src.plan_text"}
-  assert deps["_src.cost_model"] <= {"measure", "policies"}
-  assert deps["_src.plan_text"] <= {"measure", "_src.cost_model"}
+  # Pure: computes, and measures only through the function it is given;
+  # its segments carry policies (values).
+  planning = {"_src.cost_model", "_src.plan", "_src.plan_text",
+              "_src.search", "_src.units"}
+  assert deps["planner"] <= planning
+  assert deps["_src.search"] <= planning
+  assert deps["_src.plan"] <= planning
+  assert deps["_src.cost_model"] <= {"policies", "_src.units"}
+  assert deps["_src.plan_text"] <= {"policies", "_src.cost_model",
+                                    "_src.units"}
   assert deps["policies"] == set()  # Pure functions of an op's description.
   assert deps["_src.watch"] == set()  # The one op callback, below its users.
   assert deps["_src.selective"] <= {"policies", "_src.watch"}  # Keeping.

@@ -9,17 +9,30 @@ import pytest
 from tfremat import errors
 from tfremat import planner
 from tfremat._src import cost_model
+from tfremat._src import search
 from tfremat.planner import Segment
 from conftest import random_costs
 
-_SHIPPED_MARGIN = planner.ALLOCATOR_MARGIN
+_SHIPPED = planner.DEFAULT_SETTINGS
 
 
-@pytest.fixture(autouse=True)
-def _no_allocator_margin(monkeypatch):
-  # The stand-in measurements below are the cost model's own figures, with
-  # no allocator behind them; `test_allocator_margin_*` sets one.
-  monkeypatch.setattr(planner, "ALLOCATOR_MARGIN", 0.0)
+def _calibrated(costs, budget, measured_peak, rounds=_SHIPPED.rounds,
+                nestable=None, gradient_bytes=0, measured_ordered=None,
+                reserve=0.0):
+  """`search.calibrated_plan` on stand-in measurements: `measured_peak`
+  (and `measured_ordered`, for ordered candidates) take a list of segments.
+  The stand-ins are the cost model's own figures, with nothing that moves
+  between processes behind them: no reserve unless one is given."""
+  def measure(candidate):
+    how = measured_ordered if candidate.ordered else measured_peak
+    return how(list(candidate.segments))
+
+  settings = dataclasses.replace(
+      _SHIPPED, reserve=reserve, rounds=rounds,
+      try_ordered=measured_ordered is not None)
+  return search.calibrated_plan(costs, budget, measure, nestable=nestable,
+                                gradient_bytes=gradient_bytes,
+                                settings=settings)
 
 
 def _all_plans(n, start=0, policies=()):
@@ -64,7 +77,7 @@ def test_plan_is_the_fastest_feasible_choice_by_exhaustive_search(seed):
     chosen = planner.plan(costs, budget)
     assert chosen.peak_bytes <= budget
     assert chosen.seconds == pytest.approx(best, rel=1e-12)
-  assert planner.smallest_budget(costs) == low
+  assert cost_model.smallest_budget(costs) == low
 
 @pytest.mark.parametrize("seed", range(6))
 def test_policy_plans_are_the_fastest_by_exhaustive_search(seed):
@@ -73,7 +86,7 @@ def test_policy_plans_are_the_fastest_by_exhaustive_search(seed):
   n = int(rng.integers(2, 6))
   names = ("dots_saveable", "masks_saveable")
   costs = _with_policies(rng, random_costs(rng, n), names)
-  assert planner.segment_policies(costs) == names
+  assert cost_model.segment_policies(costs) == names
   plans = list(_all_plans(n, policies=names))
   predictions = [planner.predict(costs, p) for p in plans]
   low = min(peak for peak, _ in predictions)
@@ -85,11 +98,11 @@ def test_policy_plans_are_the_fastest_by_exhaustive_search(seed):
     chosen = planner.plan(costs, budget)
     assert chosen.peak_bytes <= budget
     assert chosen.seconds == pytest.approx(best, rel=1e-12)
-    used |= {s.policy for s in chosen.segments if s.remat}
-  assert planner.smallest_budget(costs) == low
+    used |= {s.policy for s in list(chosen.segments) if s.remat}
+  assert cost_model.smallest_budget(costs) == low
   # Without policies measured, plans are as before.
   plain = [dataclasses.replace(c, policy_costs={}) for c in costs]
-  assert planner.segment_policies(plain) == ()
+  assert cost_model.segment_policies(plain) == ()
 
 
 def test_policy_segments_cost_what_the_model_says():
@@ -111,12 +124,12 @@ def test_policy_segments_cost_what_the_model_says():
   plan = planner.Plan([c], [Segment(0, 1, True, "dots_saveable")])
   assert "remat 0, dots" in str(plan)
   again = planner.Plan.from_config(plan.get_config())
-  assert again.segments == plan.segments and str(again) == str(plan)
+  assert list(again.segments) == list(plan.segments) and str(again) == str(plan)
 
 
 def test_impossible_budget_names_the_smallest_that_works():
   costs = random_costs(np.random.default_rng(3), 6)
-  need = planner.smallest_budget(costs)
+  need = cost_model.smallest_budget(costs)
   with pytest.raises(ValueError, match=f"smallest budget that works for "
                      f"this chain is {need} bytes"):
     planner.plan(costs, need - 1)
@@ -128,7 +141,7 @@ def test_feasibility_agrees_with_the_fastest_plans_search():
   for seed in range(4):
     costs = random_costs(np.random.default_rng(20 + seed), 9)
     table = cost_model.segment_table(costs)
-    need = planner.smallest_budget(costs)
+    need = cost_model.smallest_budget(costs)
     for budget in (need - 1, need, need + 1, int(1.2 * need), 2 * need):
       fits = cost_model.fits(costs, budget, table)
       assert fits == (cost_model.fastest(costs, budget) is not None), budget
@@ -140,7 +153,7 @@ def test_full_budget_rematerializes_nothing_and_plan_prints():
   chosen = planner.plan(costs, planner.predict(costs, keep)[0])
   assert chosen.rematerialized == [False] * 5
   assert chosen.seconds == pytest.approx(planner.predict(costs, keep)[1])
-  text = str(planner.plan(costs, planner.smallest_budget(costs)))
+  text = str(planner.plan(costs, cost_model.smallest_budget(costs)))
   assert "remat 0" in text and "cost model's peak" in text
   # Header, layers, budget and the model's peak and time, the legend.
   assert len(text.splitlines()) == (
@@ -176,20 +189,20 @@ def test_calibrated_plan_corrects_the_model_by_measurement(error, keep_error):
   keep_peak = planner.predict(costs, planner.keep_all(8))[0]
   for fraction in np.linspace(0.3, 0.95, 14):
     budget = int(fraction * keep_error * keep_peak)
-    chosen = planner.calibrated_plan(costs, budget, measured_peak)
+    chosen = _calibrated(costs, budget, measured_peak)
     # The fastest plan whose stand-in peak fits, or one that the model
     # predicts less than FASTER_BY of keeping everything's time slower.
     best = planner.plan(costs, budget / error)
     assert chosen.measured_peak_bytes <= budget, (fraction, str(chosen))
     assert best.seconds <= chosen.seconds < (
-        best.seconds + planner.FASTER_BY * chosen.baseline_seconds), fraction
+        best.seconds + _SHIPPED.faster_by * chosen.baseline_seconds), fraction
   if error == keep_error:
     # Below what the calibrated model reaches: the error names the lowest
     # fraction of the measured keep-everything peak and what dominates it.
-    need = planner.smallest_budget(costs) * error
+    need = cost_model.smallest_budget(costs) * error
     lowest = math.ceil(need) / (keep_error * keep_peak)
     with pytest.raises(ValueError) as caught:
-      planner.calibrated_plan(costs, int(need) - 2, measured_peak)
+      _calibrated(costs, int(need) - 2, measured_peak)
     message = str(caught.value)
     assert f"{lowest:.0%} of the measured keep-everything peak" in message
     assert "the weight gradients" in message
@@ -206,11 +219,11 @@ def test_budget_between_model_and_measurement_names_the_lowest_measured():
     peak = planner.predict(costs, segments)[0]
     return [int(peak), int(1.5 * peak)] if segments != keep else [peak, peak]
 
-  need = planner.smallest_budget(costs)
+  need = cost_model.smallest_budget(costs)
   keep_peak = planner.predict(costs, keep)[0]
   with pytest.raises(ValueError, match=r"the lowest bound measured is .* MiB, "
                      r"\d+% of the measured keep-everything peak") as caught:
-    planner.calibrated_plan(costs, need + 1, measured_peak)
+    _calibrated(costs, need + 1, measured_peak)
   assert keep_peak > need
   # The same figures, for a program to retry with: the lowest bound measured.
   error = caught.value
@@ -220,12 +233,10 @@ def test_budget_between_model_and_measurement_names_the_lowest_measured():
   assert error.lowest_bytes > need + 1
 
 
-def test_a_budget_below_the_weight_gradients_is_refused_after_one_measurement(
-    monkeypatch):
+def test_a_budget_below_the_weight_gradients_is_refused_after_one_measurement():
   # Every plan's step ends holding the weight gradients, and every bound
-  # adds the allocator margin: a budget below both is refused once keeping
+  # adds its reserve: a budget below both is refused once keeping
   # everything is measured, before any plan is.
-  monkeypatch.setattr(planner, "ALLOCATOR_MARGIN", 0.1)
   costs = random_costs(np.random.default_rng(6), 8)
   keep = planner.keep_all(8)
   keep_peak = int(planner.predict(costs, keep)[0])
@@ -235,13 +246,13 @@ def test_a_budget_below_the_weight_gradients_is_refused_after_one_measurement(
     measured.append(segments)
     return int(planner.predict(costs, segments)[0])
 
-  # A plan's margin is 10% of its own peak, which is at least the
+  # A plan's reserve is 10% of its own peak, which is at least the
   # gradients': no bound is below 1.1x the gradients, 60.5% here.
   gradients = int(0.55 * keep_peak)
   lowest = gradients + int(0.1 * gradients)
   with pytest.raises(ValueError) as caught:
-    planner.calibrated_plan(costs, 0.6, measured_peak,
-                            gradient_bytes=gradients)
+    _calibrated(costs, 0.6, measured_peak, gradient_bytes=gradients,
+                reserve=0.1)
   assert measured == [keep]
   message = str(caught.value)
   assert "budget of 60% of the keep-everything peak" in message, message
@@ -249,19 +260,19 @@ def test_a_budget_below_the_weight_gradients_is_refused_after_one_measurement(
           f"{lowest / 2**20:.1f} MiB, 61% of the "
           "measured keep-everything peak") in message, message
   assert f"the weight gradients, {gradients / 2**20:.1f} MiB" in message
-  assert "ALLOCATOR_MARGIN" in message and "at least 61%" in message
+  assert "its reserve, at least" in message and "at least 61%" in message
   assert isinstance(caught.value, errors.BudgetUnreachableError)
   assert caught.value.lowest_bytes == lowest
   assert caught.value.lowest_fraction == pytest.approx(0.605, abs=0.005)
   # Above that floor the plans are measured as before; at 100% keeping
   # everything is chosen, whatever the gradients.
   measured.clear()
-  planner.calibrated_plan(costs, 0.7, measured_peak,
-                          gradient_bytes=gradients)
+  _calibrated(costs, 0.7, measured_peak, gradient_bytes=gradients,
+              reserve=0.1)
   assert len(measured) > 1
-  chosen = planner.calibrated_plan(costs, 1.0, measured_peak,
-                                   gradient_bytes=keep_peak)
-  assert chosen.segments == keep
+  chosen = _calibrated(costs, 1.0, measured_peak, gradient_bytes=keep_peak,
+                       reserve=0.1)
+  assert list(chosen.segments) == keep
 
 
 def _retained(costs, segments):
@@ -281,12 +292,12 @@ def test_the_lowest_plan_retains_the_least_of_those_at_the_floor(seed):
   # test), else the one retaining least.
   costs = random_costs(np.random.default_rng(seed), 8)
   keep = planner.keep_all(8)
-  fastest = planner.plan(costs, planner.smallest_budget(costs))
-  lowest = planner.lowest_plan(costs)
+  fastest = planner.plan(costs, cost_model.smallest_budget(costs))
+  lowest = search.lowest_plan(costs)
   alone = planner.uniform_segments(8, 8)
-  assert lowest.peak_bytes <= planner.smallest_budget(costs)
+  assert lowest.peak_bytes <= cost_model.smallest_budget(costs)
   if planner.predict(costs, alone)[0] <= lowest.peak_bytes:
-    assert lowest.segments == alone
+    assert list(lowest.segments) == alone
   else:
     assert (_retained(costs, lowest.segments) <
             _retained(costs, fastest.segments))
@@ -300,7 +311,7 @@ def test_the_lowest_plan_retains_the_least_of_those_at_the_floor(seed):
                peak + _retained(costs, segments))
 
   budget = measured_peak(lowest.segments)
-  chosen = planner.calibrated_plan(costs, budget, measured_peak)
+  chosen = _calibrated(costs, budget, measured_peak)
   assert chosen.measured.bound_bytes <= budget
 
 
@@ -318,14 +329,14 @@ def test_the_lowest_plan_is_every_layer_alone_where_that_is_at_the_floor():
   costs = [wide] + [dataclasses.replace(small, name=f"l{i}")
                     for i in range(1, 5)]
   alone = planner.uniform_segments(5, 5)
-  floor = planner.smallest_budget(costs)
+  floor = cost_model.smallest_budget(costs)
   assert planner.predict(costs, alone)[0] <= floor
   # A plan at the floor that retains less than every layer alone does.
   longer = [planner.Segment(0, 1, True), planner.Segment(1, 3, True),
             planner.Segment(3, 5, True)]
   assert planner.predict(costs, longer)[0] <= floor
   assert _retained(costs, longer) < _retained(costs, alone)
-  assert planner.lowest_plan(costs).segments == alone
+  assert list(search.lowest_plan(costs).segments) == alone
 
 
 def test_before_refusing_the_lowest_plan_is_measured():
@@ -336,7 +347,7 @@ def test_before_refusing_the_lowest_plan_is_measured():
   costs = random_costs(np.random.default_rng(6), 8)
   keep = planner.keep_all(8)
   keep_peak = planner.predict(costs, keep)[0]
-  lowest = planner.lowest_plan(costs).segments
+  lowest = list(search.lowest_plan(costs).segments)
   measured = []
 
   def measured_peak(segments):
@@ -346,8 +357,8 @@ def test_before_refusing_the_lowest_plan_is_measured():
       return int(peak)
     return int(keep_peak)  # Every other plan: well over.
 
-  chosen = planner.calibrated_plan(costs, 0.8, measured_peak, rounds=1)
-  assert chosen.segments == lowest
+  chosen = _calibrated(costs, 0.8, measured_peak, rounds=1)
+  assert list(chosen.segments) == lowest
   assert chosen.measured_peak_bytes <= chosen.budget_bytes
   # Keeping everything, one round, every layer alone, the lowest.
   assert lowest != planner.uniform_segments(8, 8)
@@ -372,23 +383,23 @@ def test_before_refusing_the_lowest_plan_is_measured_nested():
     return int(0.3 * keep_peak if any(s.nested for s in segments) else
                peak + 0.5 * keep_peak)
 
-  lowest = planner.lowest_plan(costs).segments
-  chosen = planner.calibrated_plan(costs, 0.6, measured_peak, rounds=1,
+  lowest = list(search.lowest_plan(costs).segments)
+  chosen = _calibrated(costs, 0.6, measured_peak, rounds=1,
                                    nestable=nestable)
   # Keeping everything, the round's plans (down to the lowest), nested.
-  assert measured[-2] == lowest and measured[-1] == chosen.segments
-  assert [s.nested for s in chosen.segments] == [
+  assert measured[-2] == lowest and measured[-1] == list(chosen.segments)
+  assert [s.nested for s in list(chosen.segments)] == [
       s.remat and any(nestable[s.start:s.stop]) or
       (not s.remat and nestable[s.start]) for s in lowest]
-  assert all(s.remat for s in chosen.segments if s.nested)
+  assert all(s.remat for s in list(chosen.segments) if s.nested)
   assert chosen.measured.bound_bytes <= chosen.budget_bytes
   assert ", nested" in str(chosen)
   again = planner.Plan.from_config(chosen.get_config())
-  assert again.segments == chosen.segments and str(again) == str(chosen)
+  assert list(again.segments) == list(chosen.segments) and str(again) == str(chosen)
   # Without nestable layers the budget is refused after the lowest plan.
   measured.clear()
   with pytest.raises(ValueError, match="the lowest bound measured"):
-    planner.calibrated_plan(costs, 0.6, measured_peak, rounds=1)
+    _calibrated(costs, 0.6, measured_peak, rounds=1)
   assert measured[-1] == lowest
 
 
@@ -400,7 +411,7 @@ def test_only_a_rematerialized_segment_is_nested():
       0, 1, True, "dots_saveable"]
   with pytest.raises(ValueError, match="Only a rematerialized segment can be "
                      "nested"):
-    planner.check_segments([planner.Segment(0, 1, False, None, True)], 1)
+    cost_model.check_segments([planner.Segment(0, 1, False, None, True)], 1)
 
 
 def test_bound_is_the_largest_peak_plus_the_spread():
@@ -410,53 +421,63 @@ def test_bound_is_the_largest_peak_plus_the_spread():
   assert planner.Measured.of(7) == planner.Measured(7, 7, 1)
 
 
-def test_allocator_margin_is_part_of_every_bound(monkeypatch):
-  # The same program peaks differently in another process (the BFC
-  # allocator's reuse of free chunks, in proportion to the tensors it
-  # holds), so every bound carries a margin of the plan's own peak, and the
-  # plan chosen leaves that much room.
-  monkeypatch.setattr(planner, "ALLOCATOR_MARGIN", 0.1)
+def test_the_reserve_is_part_of_every_bound():
+  # The same program peaks a little differently in another process (the
+  # executor's threads interleave independent ops differently), so every
+  # bound carries a reserve of the plan's own peak, and the plan chosen
+  # leaves that much room.
   costs = random_costs(np.random.default_rng(9), 6)
   keep = planner.keep_all(6)
   keep_peak = int(planner.predict(costs, keep)[0])
-  chosen = planner.calibrated_plan(costs, 0.7, _stand_in(costs))
-  margin = int(0.1 * chosen.measured.peak_bytes)
-  assert chosen.measured.margin_bytes == margin
-  assert chosen.measured.bound_bytes == chosen.measured.peak_bytes + margin
-  assert chosen.measured.peak_bytes + margin <= chosen.budget_bytes
-  keep_margin = int(0.1 * keep_peak)
-  assert chosen.measured_keep.bound_bytes == keep_peak + keep_margin
-  assert f"allocator margin ({margin / 2**20:.1f} MiB)" in str(chosen)
+  chosen = _calibrated(costs, 0.7, _stand_in(costs), reserve=0.1)
+  reserve = int(0.1 * chosen.measured.peak_bytes)
+  assert chosen.measured.reserve_bytes == reserve
+  assert chosen.measured.bound_bytes == chosen.measured.peak_bytes + reserve
+  assert chosen.measured.peak_bytes + reserve <= chosen.budget_bytes
+  keep_reserve = int(0.1 * keep_peak)
+  assert chosen.measured_keep.bound_bytes == keep_peak + keep_reserve
+  assert f"reserve ({reserve / 2**20:.1f} MiB)" in str(chosen)
   again = planner.Plan.from_config(chosen.get_config())
-  assert again.measured == chosen.measured
-  # Keeping everything fits only with its margin too.
-  assert any(planner.calibrated_plan(
-      costs, keep_peak + keep_margin - 1, _stand_in(costs)).rematerialized)
-  assert not any(planner.calibrated_plan(
-      costs, keep_peak + keep_margin, _stand_in(costs)).rematerialized)
+  assert again.measured == chosen.measured and again == chosen
+  # Keeping everything fits only with its reserve too.
+  assert any(_calibrated(costs, keep_peak + keep_reserve - 1,
+                         _stand_in(costs), reserve=0.1).rematerialized)
+  assert not any(_calibrated(costs, keep_peak + keep_reserve,
+                             _stand_in(costs), reserve=0.1).rematerialized)
 
 
-def test_a_budget_the_margin_and_spread_above_the_lowest_plans_peak_is_planned(
-    monkeypatch):
-  # The margin is the plan's own: a budget (1 + ALLOCATOR_MARGIN + spread)
-  # times the lowest plan's peak is met, however much smaller than keeping
-  # everything that plan is.
-  monkeypatch.setattr(planner, "ALLOCATOR_MARGIN", _SHIPPED_MARGIN)
+def test_plans_saved_by_tfremat_0_1_load_with_their_margin_as_the_reserve():
+  config = planner.Plan(random_costs(np.random.default_rng(9), 2),
+                        planner.keep_all(2)).get_config()
+  config["measured"] = {"peak_bytes": 100, "bound_bytes": 145, "calls": 10,
+                        "margin_bytes": 35}
+  loaded = planner.Plan.from_config(config)
+  assert loaded.measured == planner.Measured(100, 145, 10, 35)
+
+
+def test_a_budget_the_reserve_and_spread_above_the_lowest_plans_peak_is_planned():
+  # The reserve is the plan's own: with the shipped settings, a budget
+  # (1 + reserve + spread) times the lowest plan's peak is met, however much
+  # smaller than keeping everything that plan is.
   costs = random_costs(np.random.default_rng(6), 8)
-  lowest = int(planner.predict(costs, planner.lowest_plan(costs).segments)[0])
+  lowest = int(planner.predict(costs, search.lowest_plan(costs).segments)[0])
 
   def measured_peak(segments):  # Calls spread by 5% of each plan's peak.
     peak = int(planner.predict(costs, segments)[0])
     return [peak, int(0.95 * peak), peak]
 
-  budget = int((1.051 + planner.ALLOCATOR_MARGIN) * lowest)
-  chosen = planner.calibrated_plan(costs, budget, measured_peak)
+  budget = int((1.051 + _SHIPPED.reserve) * lowest)
+  chosen = search.calibrated_plan(
+      costs, budget, lambda c: measured_peak(list(c.segments)))
   assert chosen.measured.bound_bytes <= chosen.budget_bytes
+  assert chosen.search.settings == _SHIPPED
   with pytest.raises(errors.BudgetUnreachableError):
-    planner.calibrated_plan(costs, int(0.99 * budget), measured_peak)
+    search.calibrated_plan(costs, int(0.99 * budget),
+                           lambda c: measured_peak(list(c.segments)))
 
 
-def _assert_planned_in_one_check(costs, fraction, plan_error=1.0):
+def _assert_planned_in_one_check(costs, fraction, plan_error=1.0,
+                                 reserve=0.0):
   """Asserts that `calibrated_plan(costs, fraction)`, on a stand-in
   allocator whose peaks are the model's, times `plan_error` for plans that
   rematerialize, fits and measured one plan besides keeping everything.
@@ -468,7 +489,7 @@ def _assert_planned_in_one_check(costs, fraction, plan_error=1.0):
     error = plan_error if any(s.remat for s in segments) else 1.0
     return int(error * planner.predict(costs, segments)[0])
 
-  chosen = planner.calibrated_plan(costs, fraction, measured_peak)
+  chosen = _calibrated(costs, fraction, measured_peak, reserve=reserve)
   assert chosen.measured.bound_bytes <= chosen.budget_bytes
   assert len(measured) == 2, [str(planner.Plan(costs, s).peak_bytes)
                               for s in measured]
@@ -476,42 +497,41 @@ def _assert_planned_in_one_check(costs, fraction, plan_error=1.0):
 
 
 @pytest.mark.parametrize("fraction", [0.8, 0.6, 0.5, 0.4])
-def test_an_exact_model_plans_in_one_check(monkeypatch, fraction):
-  # The allocator margin is a fraction of each plan's own peak: the room for
-  # a plan's peak is the budget / (1 + margin). With a model that predicts
+def test_an_exact_model_plans_in_one_check(fraction):
+  # The reserve is a fraction of each plan's own peak: the room for a
+  # plan's peak is the budget / (1 + reserve). With a model that predicts
   # the measured peaks exactly, the first plan measured is the one chosen
   # (each check of the bench transformer LM costs seconds).
-  monkeypatch.setattr(planner, "ALLOCATOR_MARGIN", 0.1)
+  settings = dataclasses.replace(_SHIPPED, reserve=0.1)
   costs = random_costs(np.random.default_rng(6), 8)
   keep = planner.keep_all(8)
   keep_peak = int(planner.predict(costs, keep)[0])
   budget = int(fraction * keep_peak)
-  room = planner.peak_for_bound(budget)
-  if room < planner.smallest_budget(costs):
-    pytest.skip("below this chain's floor")
-  chosen = _assert_planned_in_one_check(costs, fraction)
+  room = settings.room(budget)
+  assert room >= cost_model.smallest_budget(costs), "below the floor"
+  chosen = _assert_planned_in_one_check(costs, fraction, reserve=0.1)
   best = planner.plan(costs, room)
   assert chosen.seconds <= best.seconds + (
-      planner.FASTER_BY * chosen.baseline_seconds)
+      _SHIPPED.faster_by * chosen.baseline_seconds)
 
 
 @pytest.mark.parametrize("fraction", np.linspace(0.45, 0.9, 10))
 def test_plans_measuring_a_little_above_the_calibration_fit_in_one_check(
-    monkeypatch, fraction):
+    fraction):
   # Plans measure 2% above what keeping everything's measurement calibrates
   # the model to (on the benchmark's transformer blocks the error moved by
   # several percent either way, from plan to plan and between processes).
   # A plan aimed at the room the budget leaves would land just over it, and
   # each miss costs a check of the whole chain; aimed a little below, the
   # first plan fits.
-  monkeypatch.setattr(planner, "ALLOCATOR_MARGIN", 0.1)
+  settings = dataclasses.replace(_SHIPPED, reserve=0.1)
   costs = random_costs(np.random.default_rng(6), 8)
   keep = planner.keep_all(8)
   keep_peak = int(planner.predict(costs, keep)[0])
-  if planner.peak_for_bound(fraction * keep_peak) < 1.05 * (
-      planner.smallest_budget(costs)):
-    pytest.skip("at this chain's floor")
-  _assert_planned_in_one_check(costs, fraction, plan_error=1.02)
+  assert settings.room(fraction * keep_peak) >= 1.05 * (
+      cost_model.smallest_budget(costs)), "at the floor"
+  _assert_planned_in_one_check(costs, fraction, plan_error=1.02,
+                               reserve=0.1)
 
 
 def test_a_budget_below_the_models_floor_is_measured_before_refusing():
@@ -520,24 +540,24 @@ def test_a_budget_below_the_models_floor_is_measured_before_refusing():
   # model's word alone would be wrong, so the lowest plan is measured first.
   costs = random_costs(np.random.default_rng(6), 8)
   keep = planner.keep_all(8)
-  floor = planner.lowest_plan(costs)
+  floor = search.lowest_plan(costs)
   keep_peak = int(planner.predict(costs, keep)[0])
   measured = []
 
   def measured_peak(segments):
     measured.append(segments)
     peak = planner.predict(costs, segments)[0]
-    return int(0.8 * peak if segments == floor.segments else peak)
+    return int(0.8 * peak if segments == list(floor.segments) else peak)
 
   budget = int(0.9 * floor.peak_bytes)
-  chosen = planner.calibrated_plan(costs, budget, measured_peak)
-  assert chosen.segments == floor.segments
-  assert measured == [keep, floor.segments]
+  chosen = _calibrated(costs, budget, measured_peak)
+  assert list(chosen.segments) == list(floor.segments)
+  assert measured == [keep, list(floor.segments)]
   # Where it does not fit either, the error gives its measured bound.
   with pytest.raises(ValueError, match=(
       f"the lowest bound measured is {int(0.8 * floor.peak_bytes) / 2**20:.1f}"
       r" MiB, \d+% of the measured keep-everything peak")):
-    planner.calibrated_plan(costs, int(0.7 * floor.peak_bytes), measured_peak)
+    _calibrated(costs, int(0.7 * floor.peak_bytes), measured_peak)
   assert keep_peak > budget
 
 
@@ -551,7 +571,7 @@ def test_plan_with_a_spread_is_held_to_its_bound():
     peak = planner.predict(costs, segments)[0]
     return [peak, peak] if segments == keep else [int(0.95 * peak), peak]
 
-  chosen = planner.calibrated_plan(costs, 0.6, measured_peak)
+  chosen = _calibrated(costs, 0.6, measured_peak)
   assert chosen.measured.bound_bytes <= chosen.budget_bytes
   assert chosen.measured.bound_bytes > chosen.measured.peak_bytes
   assert chosen.measured_keep_peak_bytes == keep_peak
@@ -581,7 +601,7 @@ def test_fraction_budget_is_of_the_measured_keep_everything_peak(given):
   costs = random_costs(np.random.default_rng(6), 8)
   measured_peak = _stand_in(costs, error=1.1)
   keep_peak = measured_peak(planner.keep_all(len(costs)))
-  chosen = planner.calibrated_plan(costs, given, measured_peak)
+  chosen = _calibrated(costs, given, measured_peak)
   assert chosen.budget_bytes == int(0.5 * keep_peak)
   assert chosen.measured_keep_peak_bytes == keep_peak
   assert chosen.measured_peak_bytes <= chosen.budget_bytes
@@ -654,7 +674,7 @@ def test_a_plan_measured_above_keeping_everything_is_never_chosen():
     return [int(1.05 * keep_peak)] * 2
 
   with pytest.raises(ValueError, match="No rematerialization plan fits"):
-    planner.calibrated_plan(costs, int(1.05 * keep_peak), measured_peak)
+    _calibrated(costs, int(1.05 * keep_peak), measured_peak)
 
 
 def test_below_the_models_floor_its_lowest_plan_is_measured_last():
@@ -664,20 +684,20 @@ def test_below_the_models_floor_its_lowest_plan_is_measured_last():
   # measured before giving up.
   costs = random_costs(np.random.default_rng(6), 8)
   keep = planner.keep_all(8)
-  floor = planner.lowest_plan(costs)
+  floor = search.lowest_plan(costs)
   keep_peak = planner.predict(costs, keep)[0]
   budget = (floor.peak_bytes + keep_peak) // 2
   measured = []
 
   def measured_peak(segments):
     measured.append(segments)
-    if segments == keep or segments == floor.segments:
+    if segments == keep or segments == list(floor.segments):
       return planner.predict(costs, segments)[0]
     return keep_peak  # Every other plan saves nothing.
 
-  chosen = planner.calibrated_plan(costs, budget, measured_peak, rounds=8)
-  assert chosen.segments == floor.segments, str(chosen)
-  assert measured[-1] == floor.segments
+  chosen = _calibrated(costs, budget, measured_peak, rounds=8)
+  assert list(chosen.segments) == list(floor.segments), str(chosen)
+  assert measured[-1] == list(floor.segments)
 
 
 def test_every_layer_alone_is_measured_when_the_plan_found_is_slower():
@@ -700,38 +720,36 @@ def test_every_layer_alone_is_measured_when_the_plan_found_is_slower():
     peak = planner.predict(costs, segments)[0]
     return int(alone_error * peak if segments == alone else peak)
 
-  chosen = planner.calibrated_plan(costs, 0.3, measured_peak)
-  assert chosen.segments == alone, str(chosen)
+  chosen = _calibrated(costs, 0.3, measured_peak)
+  assert list(chosen.segments) == alone, str(chosen)
   assert measured[-1] == alone
   # Where it is over the budget as predicted, the plan found is chosen.
   measured.clear()
-  found = planner.calibrated_plan(
+  found = _calibrated(
       costs, 0.3, lambda s: measured_peak(s, alone_error=1.0))
-  assert found.segments != alone and alone in measured
+  assert list(found.segments) != alone and alone in measured
   assert found.seconds > planner.predict(costs, alone)[1]
   # Where the rounds find no plan that fits, it is measured before the
   # plan the model predicts to peak lowest.
   measured.clear()
-  over = planner.calibrated_plan(
+  over = _calibrated(
       costs, 0.3, lambda s: measured_peak(s) if s in (keep, alone) else
       int(keep_peak), rounds=1)
-  assert over.segments == alone
-  assert planner.lowest_plan(costs).segments not in measured
+  assert list(over.segments) == alone
+  assert list(search.lowest_plan(costs).segments) not in measured
   # Where a plan that fits is predicted faster, it is not measured.
   measured.clear()
-  roomy = planner.calibrated_plan(costs, 0.6, measured_peak)
+  roomy = _calibrated(costs, 0.6, measured_peak)
   assert roomy.seconds < planner.predict(costs, alone)[1]
   assert alone not in measured
 
 
-def test_a_plan_is_run_ordered_only_where_nothing_unordered_fits(
-    monkeypatch):
+def test_a_plan_is_run_ordered_only_where_nothing_unordered_fits():
   # Ordered, a chain peaks lower on some chains and runs slower: the
   # planner measures the lowest plan ordered only after every unordered
   # plan it measured was over the budget, and the plan says it is ordered.
-  monkeypatch.setattr(planner, "ALLOCATOR_MARGIN", 0.0)
   costs = random_costs(np.random.default_rng(6), 8)
-  lowest = int(planner.predict(costs, planner.lowest_plan(costs).segments)[0])
+  lowest = int(planner.predict(costs, search.lowest_plan(costs).segments)[0])
   unordered = lambda s: int(1.3 * planner.predict(costs, s)[0]) if any(
       x.remat for x in s) else int(planner.predict(costs, s)[0])
   ordered_calls = []
@@ -741,64 +759,73 @@ def test_a_plan_is_run_ordered_only_where_nothing_unordered_fits(
     return int(planner.predict(costs, segments)[0])
 
   budget = int(1.1 * lowest)
-  chosen = planner.calibrated_plan(costs, budget, unordered,
+  chosen = _calibrated(costs, budget, unordered,
                                    measured_ordered=ordered)
-  assert chosen.ordered and ordered_calls == [chosen.segments]
+  assert chosen.ordered and ordered_calls == [list(chosen.segments)]
   assert chosen.measured.bound_bytes <= budget
   assert "ordered" in str(chosen)
   assert planner.Plan.from_config(chosen.get_config()).ordered
   with pytest.raises(errors.BudgetUnreachableError):
-    planner.calibrated_plan(costs, budget, unordered)
+    _calibrated(costs, budget, unordered)
   # Where an unordered plan fits, nothing is measured ordered.
   ordered_calls.clear()
-  roomy = planner.calibrated_plan(costs, 0.9, unordered,
+  roomy = _calibrated(costs, 0.9, unordered,
                                   measured_ordered=ordered)
   assert not roomy.ordered and not ordered_calls
 
 
-def _fit(peaks, budget, rank=None, gradient_bytes=0, tries=()):
-  """`planner.fit_budget` over fake candidates: `peaks` maps each key to
-  its per-call peaks; the search measures `tries` in order. Returns the
-  Fitted and the keys measured, in order."""
+def _fit(peaks, budget, rank=None, gradient_bytes=0, tries=(), reserve=0.0):
+  """`search.fit_budget` over fake candidates: `peaks` maps each key to its
+  per-call peaks; the candidates are `tries`, in order, each proposed
+  twice. Returns the Search and the keys measured, in order."""
   measured = []
 
-  def measured_peak(key):
+  def measure(key):
     measured.append(key)
     return peaks[key]
 
-  def search(measure_it, fits, budget_bytes):
-    del fits, budget_bytes
+  def candidates(budget_bytes, keep):
+    del budget_bytes, keep
     for key in tries:
-      measure_it(key)
-      measure_it(key)  # Measured once all the same.
+      yield key, f"try {key}"
+      yield key, "again"  # Measured once all the same.
 
-  fitted = planner.fit_budget(budget, measured_peak, "keep", search,
-                              rank=rank or (lambda key: key),
-                              gradient_bytes=gradient_bytes)
-  return fitted, measured
+  found = search.fit_budget(
+      budget, measure, "keep", candidates, rank=rank or (lambda key: key),
+      gradient_bytes=gradient_bytes,
+      settings=dataclasses.replace(_SHIPPED, reserve=reserve))
+  return found, measured
 
 
-def test_fit_budget_is_the_one_search_every_budget_goes_through(monkeypatch):
-  monkeypatch.setattr(planner, "ALLOCATOR_MARGIN", 0.0)
+def test_fit_budget_is_the_one_search_every_budget_goes_through():
   peaks = {"keep": [100, 100], "a": [60, 60], "b": [40, 40],
            "c": [30, 50], "over": [120, 120]}
   # Keeping everything fits: nothing else is measured.
-  fitted, measured = _fit(peaks, 100, tries=["a"])
-  assert (fitted.choice, measured) == ("keep", ["keep"])
+  found, measured = _fit(peaks, 100, tries=["a"])
+  assert (found.chosen.key, measured) == ("keep", ["keep"])
   # A fraction is of keeping everything's peak; the first fitting
   # candidate by rank is chosen, each measured once. "c" peaks at 50 but
   # its bound (largest + spread) is 70; "over" peaks above keeping
   # everything and is never chosen.
-  fitted, measured = _fit(peaks, "60%", tries=["over", "c", "b", "a"],
-                          rank=lambda key: -peaks[key][0])
-  assert fitted.choice == "a" and fitted.budget_bytes == 60
+  found, measured = _fit(peaks, "60%", tries=["over", "c", "b", "a"],
+                         rank=lambda key: -peaks[key][0])
+  assert found.chosen.key == "a" and found.budget_bytes == 60
   assert measured == ["keep", "over", "c", "b", "a"]
-  assert fitted.keep == planner.Measured(100, 100, 2)
-  assert fitted.measured == planner.Measured(60, 60, 2)
-  # Below every bound: one refusal, naming the lowest bound measured.
+  assert found.keep.measured == planner.Measured(100, 100, 2)
+  assert found.chosen.measured == planner.Measured(60, 60, 2)
+  # The record: every trial, in order, why, and whether it fits.
+  assert [(t.key, t.why, t.fits) for t in found.trials] == [
+      ("keep", "keeping everything", False), ("over", "try over", False),
+      ("c", "try c", False), ("b", "try b", True), ("a", "try a", True)]
+  text = str(found)
+  assert "chosen" in text and "try b" in text and "60.0" not in text
+  # Below every bound: one refusal, naming the lowest bound measured, and
+  # carrying the record.
   with pytest.raises(errors.BudgetUnreachableError,
-                     match=r"the lowest bound measured is .*, 40% of"):
+                     match=r"the lowest bound measured is .*, 40% of") as caught:
     _fit(peaks, 35, tries=["a", "b"])
+  assert [t.key for t in caught.value.search.trials] == ["keep", "a", "b"]
+  assert caught.value.search.chosen is None
   # Below the weight gradients: refused before the search measures (a
   # key without peaks would raise a KeyError).
   with pytest.raises(errors.BudgetUnreachableError,
@@ -808,13 +835,13 @@ def test_fit_budget_is_the_one_search_every_budget_goes_through(monkeypatch):
 
 
 def test_fit_budget_refusal_says_what_was_tried_and_what_to_do():
-  def search(measure_it, fits, budget_bytes):
-    del fits, budget_bytes
-    measure_it(4)
+  def candidates(budget_bytes, keep):
+    del budget_bytes, keep
+    yield 4, "all four"
 
   with pytest.raises(errors.BudgetUnreachableError) as caught:
-    planner.fit_budget(
-        "10%", lambda key: [100 - 10 * key], 0, search, rank=lambda k: k,
+    search.fit_budget(
+        "10%", lambda key: [100 - 10 * key], 0, candidates, rank=lambda k: k,
         refusal=lambda: dict(subject="with all 4 layer(s), nothing fits",
                              terms=[("the weight gradients", 2**20)],
                              fix="give more layers"))
@@ -824,3 +851,20 @@ def test_fit_budget_refusal_says_what_was_tried_and_what_to_do():
                             "10% of the keep-everything peak")
   assert "What every plan holds, by the cost model: the weight " in message
   assert message.endswith("or give more layers.")
+
+
+@pytest.mark.parametrize("bad", [dict(reserve=-0.1), dict(reserve=1.5),
+                                 dict(check_calls=0), dict(rounds=2.0),
+                                 dict(try_ordered="yes")])
+def test_settings_refuse_what_is_not_a_setting(bad):
+  with pytest.raises(ValueError, match="Settings: "):
+    planner.Settings(**bad)
+
+
+def test_settings_are_a_printable_value_with_the_shipped_defaults():
+  assert planner.Settings() == planner.DEFAULT_SETTINGS
+  assert planner.DEFAULT_SETTINGS.reserve <= 0.10
+  text = str(planner.Settings(reserve=0.1, check_calls=20))
+  assert "reserve 10% of a plan's peak" in text and "20 calls" in text
+  with pytest.raises(AttributeError):
+    planner.DEFAULT_SETTINGS.reserve = 0.5

@@ -470,7 +470,7 @@ def test_chain_units_cut_where_every_path_passes():
 
 def test_budget_plans_a_functional_transformer_with_exact_gradients(tmp_path):
   # Large enough that half its peak is well above allocator granularity.
-  # 70%: the lowest bound measured, allocator margin included,
+  # 70%: the lowest bound measured, reserve included,
   # was 62% on a loaded machine.
   model, x, _ = _flat_transformer_lm(blocks=2, seq_len=32, width=32, batch=64)
   planned = remat_model(model, budget="70%", sample_input=x, verbose=0,

@@ -4,12 +4,13 @@ import contextlib
 import os
 import sys
 
-# The planner and the benchmark measure a step's peak with the allocator's
-# statistics, which TensorFlow keeps on the CPU only with its BFC allocator.
-# It takes effect if TensorFlow has not run an op yet;
-# `measure.peak_bytes` says what to do otherwise.
+# A step's memory is read from the allocator's records of each allocation,
+# which TensorFlow's profiler receives on the CPU from its BFC allocator only
+# (the default one, with oneDNN, reports tensors above 256 KiB; without
+# oneDNN, none): docs/design.md, "What importing tfremat does". It takes
+# effect if TensorFlow has not run an op yet; `measure.peak_bytes` says what
+# to do otherwise.
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
-
 
 def _own_program():
   """Whether Python is running tfremat's benchmark or one of its examples,
@@ -59,6 +60,8 @@ from tfremat import lingvo
 from tfremat import measure
 from tfremat import planner
 from tfremat import policies
+from tfremat._src.batch_fit import LargestBatch
+from tfremat._src.batch_fit import largest_batch
 from tfremat._src.in_place import is_remat_in_place
 from tfremat._src.in_place import remat_in_place
 from tfremat._src.in_place import remat_in_place_for_budget
@@ -116,6 +119,9 @@ __all__ = [
     "undo_remat_in_place",
     "is_remat_in_place",
     "RematScope",
+    # The largest batch for a memory.
+    "largest_batch",
+    "LargestBatch",
     # What is kept, and errors.
     "checkpoint_name",
     "saved_residuals",

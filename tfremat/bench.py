@@ -257,7 +257,7 @@ def uniform_schemes(num_blocks):
 
 def policy_schemes(num_blocks, names):
   """Every block rematerialized under each save policy: name -> segments."""
-  return {f"every block, {planner.short_policy_name(p)}":
+  return {f"every block, {policies.short_name(p)}":
           [planner.Segment(i, i + 1, True, p) for i in range(num_blocks)]
           for p in names}
 
@@ -268,11 +268,11 @@ def _schemes_and_plans(fractions, progress):
   rows, steps = [], []
 
   def run(name, kind, segments, fraction=None, plan_seconds=None,
-          ordered=False):
+          layer=None):
     # The planner's rows run as remat_sequential(budget=...) returns them.
-    layer = tfremat.RematSequential(blocks, segments, ordered=ordered)
+    layer = layer or tfremat.RematSequential(blocks, segments)
     step = chain.training_step(layer, jit=FLAGS.jit)
-    used = sorted({planner.short_policy_name(s.policy) for s in segments
+    used = sorted({policies.short_name(s.policy) for s in segments
                    if s.remat and s.policy})
     rows.append({"scheme": name, "kind": kind,
                  "rematerialized": sum(s.stop - s.start for s in segments
@@ -310,7 +310,8 @@ def _schemes_and_plans(fractions, progress):
     # What remat_sequential(budget=...) would take: the chain's measurement
     # (shared by the fractions here) and this fraction's checked plan.
     run(f"planner {fraction:.0%}", "planner", chosen.segments, fraction,
-        costs_seconds + time.perf_counter() - start, chosen.ordered)
+        costs_seconds + time.perf_counter() - start,
+        chain.apply_plan(blocks, chosen, names))
   _add_times(rows, steps, x)
   mark_dominated(rows)
   for r in rows:
@@ -770,7 +771,9 @@ def _run_max_batch():
         name, memory, FLAGS.steps, FLAGS.blocks, FLAGS.width,
         log=lambda line: print(line, flush=True))
   print(max_batch.format_table(rows, memory))
-  print(max_batch.LEGEND.format(rounds=FLAGS.steps))
+  print(max_batch.LEGEND.format(
+      rounds=FLAGS.steps, check_calls=planner.DEFAULT_SETTINGS.check_calls,
+      reserve=planner.DEFAULT_SETTINGS.reserve))
 
 
 def normalized_argv(argv):

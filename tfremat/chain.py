@@ -19,19 +19,20 @@ import tensorflow as tf
 
 from tfremat import errors
 from tfremat import measure
-from tfremat import planner
 from tfremat import policies as policies_lib
 from tfremat._src import in_place
 from tfremat._src import layers as layers_lib
+from tfremat._src import search
+from tfremat._src.cost_model import Budget
+from tfremat._src.cost_model import keep_all
+from tfremat._src.cost_model import uniform_segments
 # The chain's layers and its measuring live in tfremat._src; these are their
 # public names.
 from tfremat._src.chain_layers import ContextSegment
 from tfremat._src.chain_layers import ContextUnit
 from tfremat._src.chain_layers import RematSequential
+from tfremat._src.chain_layers import apply_plan
 from tfremat._src.chain_layers import nest_target
-from tfremat._src.chain_measure import CHECK_CALLS
-from tfremat._src.chain_measure import PLANNED_ORDER
-from tfremat._src.chain_measure import WAITING_FRACTION
 from tfremat._src.chain_measure import WAITING_PROBE_LAYERS
 from tfremat._src.chain_measure import measure_chain
 from tfremat._src.chain_measure import measure_layer
@@ -46,6 +47,7 @@ __all__ = [
     "nest_target",
     "RematSequential",
     "remat_sequential",
+    "apply_plan",
     "planned_policies",
     "checked_plan",
     "retracing_quiet",
@@ -55,15 +57,13 @@ __all__ = [
     "measure_peaks",
     "structure_key",
     "measure_chain",
-    "PLANNED_ORDER",
-    "CHECK_CALLS",
-    "WAITING_FRACTION",
     "WAITING_PROBE_LAYERS",
 ]
 
 
 def remat_sequential(layers, segments=None, budget=None, sample_input=None,
-                     verbose=1, policy=None, policies=policies_lib.PLANNED):
+                     verbose=1, policy=None, policies=policies_lib.PLANNED,
+                     settings=search.DEFAULT_SETTINGS):
   """A Keras layer running `layers` in order, with chosen rematerialization.
 
   Either uniform segments:
@@ -98,10 +98,12 @@ def remat_sequential(layers, segments=None, budget=None, sample_input=None,
       names or `tfremat.policies` values, your own included (default:
       `tfremat.policies.PLANNED`; () for none). Each is measured on every
       layer.
+    settings: with `budget`, the planner's `tfremat.planner.Settings`.
 
   Returns:
     A `RematSequential` layer; `.plan` holds the planner's Plan when a budget
-    was given (also after saving and loading), else None.
+    was given (also after saving and loading), else None; `.plan.search`
+    what it measured to choose (until saved).
 
   Raises:
     ValueError, TypeError: bad arguments, before anything is measured.
@@ -115,16 +117,13 @@ def remat_sequential(layers, segments=None, budget=None, sample_input=None,
         "budget with sample_input, not both or neither.")
   layers = layers_lib.keras_layers(layers, "remat_sequential", chain=True)
   if segments is not None:
-    return RematSequential(layers,
-                           planner.uniform_segments(len(layers), segments),
+    return RematSequential(layers, uniform_segments(len(layers), segments),
                            policy=policy)
   budget, policies = planning_arguments("remat_sequential", budget,
                                         sample_input, policies, policy)
   chosen = checked_plan(layers, budget, sample_input, verbose=verbose,
-                        policies=policies)
-  return RematSequential(layers, segments_with(chosen.segments, policies),
-                         plan=chosen,
-                         ordered=chosen.ordered)
+                        policies=policies, settings=settings)
+  return apply_plan(layers, chosen, policies)
 
 
 def planning_arguments(caller, budget, sample_input, policies, policy=None):
@@ -137,7 +136,7 @@ def planning_arguments(caller, budget, sample_input, policies, policy=None):
         "policy; name the ones it may choose with policies=[...], or give "
         "segments= to use one policy everywhere.")
   policies = planned_policies(policies)
-  budget = planner.Budget.parse(budget)
+  budget = Budget.parse(budget)
   if sample_input is None:
     raise errors.InvalidArgumentError(
         f"{caller}: budget needs sample_input, a batch like those it will "
@@ -169,84 +168,76 @@ def planned_policies(policies):
   return policies
 
 
-def segments_with(segments, policies):
-  """`segments` (a Plan's, whose policies are names: the keys of the
-  layers' costs) with each name replaced by the policy in `policies` it
-  names, so that a user's policy runs as itself."""
-  by_name = {policies_lib.name_of(p): p for p in policies}
-  return [dataclasses.replace(s, policy=by_name.get(s.policy, s.policy))
-          for s in segments]
-
-
-def checked_plan(layers, budget, sample_input, rounds=4, costs=None,
-                 verbose=0, policies=()):
+def checked_plan(layers, budget, sample_input, costs=None, verbose=0,
+                 policies=(), settings=search.DEFAULT_SETTINGS):
   """The planner's plan for `layers`, checked by measuring training steps on
-  `sample_input` (`planner.calibrated_plan`).
+  `sample_input`.
 
   Args:
     layers: the chain: Keras layers or a `keras.Sequential`.
     budget: the budget for a training step's peak, in any form
-      `planner.Budget.parse` reads (bytes, "200MiB", 0.5, "50%"); a fraction
-      is of the measured peak of keeping everything.
+      `tfremat.planner.Budget.parse` reads (bytes, "200MiB", 0.5, "50%"); a
+      fraction is of the measured peak of keeping everything.
     sample_input: the batch to measure on (in a `tf.distribute` strategy's
       scope, one replica's: every replica steps on all of it).
-    rounds: how many plans to measure at most.
     costs: `measure_chain(layers, sample_input)`, if already known.
     verbose: 1 shows a progress bar over the measurements.
     policies: save policies (names or values) the planner may choose for a
       rematerialized segment (measured on each layer unless `costs` is
       given).
+    settings: the planner's `tfremat.planner.Settings`.
 
   Keeping everything is measured first, before any layer: a budget below
-  the weight gradients its step returns plus the allocator margin is
-  refused then (`planner.gradients_floor_error`).
-
-  Layers whose own layers are worth rematerializing one at a time inside
-  their reruns (`nest_target`: a transformer layer's attention and
-  feed-forward layers) may be nested in the lowest plan, measured before a
-  budget is refused (`planner.calibrated_plan`, step 5).
+  the weight gradients its step returns plus their reserve is refused then.
+  Every candidate is measured as `apply_plan` runs it (kept layers gated)
+  over `settings.check_calls` training steps. Layers whose own layers are
+  worth rematerializing one at a time inside their reruns (`nest_target`: a
+  transformer layer's attention and feed-forward layers) may be nested in
+  the lowest plan, measured before a budget is refused (docs/design.md,
+  "How the planner chooses").
 
   Every variable of `layers` is left as it was: measuring runs training
   steps, which move BatchNormalization statistics and advance dropout seed
   generators, so their values are put back afterwards.
 
+  Returns:
+    The `tfremat.planner.Plan`; its `search` says what was measured.
+
   Raises:
     ValueError: no plan measured fits the budget, or the weight gradients
       put it out of reach: a `tfremat.errors.BudgetUnreachableError`, whose
-      message gives the lowest bound and what holds it up, and whose
+      message gives the lowest bound and what holds it up, whose
       `lowest_fraction` is that bound as a fraction of keeping
-      everything's peak.
+      everything's peak, and whose `search` is what was measured.
   """
   layers = layers_lib.keras_layers(layers, "checked_plan", chain=True)
-  budget = planner.Budget.parse(budget)
+  budget = Budget.parse(budget)
   # Each layer, keeping everything, the rounds' plans, every layer alone
   # and, before refusing, the lowest plan (the bar is filled at the end when
   # those are not needed).
-  steps = (len(layers) if costs is None else 0) + 1 + rounds + 2
+  steps = (len(layers) if costs is None else 0) + 1 + settings.rounds + 2
   progress = measure.progress_bar(steps, "measurement", verbose)
 
-  def measured_peak(segments, ordered=PLANNED_ORDER, **kwargs):
-    peaks = measure_peaks(RematSequential(
-        layers, segments_with(segments, policies), ordered=ordered),
-                          sample_input, calls=CHECK_CALLS, **kwargs)
+  def measured(candidate, **kwargs):
+    peaks = measure_peaks(apply_plan(layers, candidate, policies),
+                          sample_input, calls=settings.check_calls, **kwargs)
     if progress is not None:
       progress.add(1)
     return peaks
 
-  keep, gradients = planner.keep_all(len(layers)), []
+  keep, gradients = search.Candidate(tuple(keep_all(len(layers)))), []
   if costs is None:
     costs = _CostsOnDemand(len(layers), lambda: measure_chain(
-        layers, sample_input, progress=progress, policies=policies))
+        layers, sample_input, progress=progress, policies=policies,
+        waiting_fraction=settings.waiting_fraction))
   with _variables_restored(layers, sample_input), retracing_quiet():
     # Keeping everything first, with its weight gradients' bytes: a budget
     # below them is refused before any layer is measured.
-    keep_peaks = measured_peak(keep, gradients=gradients)
-    chosen = planner.calibrated_plan(
-        costs, budget,
-        lambda s: keep_peaks if s == keep else measured_peak(s), rounds,
+    keep_peaks = measured(keep, gradients=gradients)
+    chosen = search.calibrated_plan(
+        costs, budget, lambda c: keep_peaks if c == keep else measured(c),
         nestable=[in_place.can_nest(nest_target(l)) for l in layers],
-        gradient_bytes=sum(gradients),
-        measured_ordered=lambda s: measured_peak(s, ordered=True))
+        gradient_bytes=sum(gradients), settings=settings)
   if progress is not None:
     progress.update(progress.target, finalize=True)
   return chosen

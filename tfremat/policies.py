@@ -84,6 +84,7 @@ __all__ = [
     "save_from_both_policies",
     "save_only_these_names",
     "scope",
+    "short_name",
     "softmax_saveable",
 ]
 
@@ -498,6 +499,28 @@ def get(policy):
         f"keep the op's outputs, or a built-in policy's name "
         f"({sorted(BUILT_IN)}); got {type(policy).__name__}: {policy!r}.")
   return policy
+
+
+# Short names of the built-in policies, for tables.
+_SHORT = {
+    "dots_saveable": "dots",
+    "dots_with_no_batch_dims_saveable": "dots/nobatch",
+    "masks_saveable": "masks",
+    "dots_and_masks_saveable": "dots+masks",
+    "dots_with_no_batch_dims_and_masks_saveable": "dots/nob+masks",
+    "softmax_saveable": "softmax",
+    "masks_and_softmax_saveable": "masks+softmax",
+    "dots_masks_and_softmax_saveable": "dots+masks+softmax",
+    "dots_with_no_batch_dims_masks_and_softmax_saveable":
+        "dots/nob+masks+softmax",
+}
+
+
+def short_name(policy):
+  """A policy's short name for tables ("dots+masks"); its name (`name_of`)
+  where it has none."""
+  name = name_of(policy)
+  return _SHORT.get(name, name)
 
 
 def name_of(policy):

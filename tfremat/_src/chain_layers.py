@@ -6,16 +6,19 @@ Their public names are `tfremat.chain`'s.
 """
 
 import contextlib
-
+import dataclasses
 import os
+
 import keras
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
 from tfremat import errors
-from tfremat import planner
 from tfremat import policies as policies_lib
 from tfremat._src import in_place
+from tfremat._src.cost_model import Segment
+from tfremat._src.cost_model import check_segments
+from tfremat._src.plan import Plan
 from tfremat._src import layers as layers_lib
 from tfremat._src import watch
 from tfremat._src.layers import RematerializationLayer
@@ -25,6 +28,7 @@ __all__ = [
     "ContextSegment",
     "nest_target",
     "RematSequential",
+    "apply_plan",
     "SOURCE_OPS",
 ]
 
@@ -150,22 +154,33 @@ class RematSequential(keras.layers.Layer):
       the layer's config, so `.plan` prints the same after a `.keras` file
       is saved and loaded.
     policy: the save policy of rematerialized segments that name none.
+    gated: each kept layer hands its input gradient on only after its
+      weight gradients are computed, as a rematerialized segment does
+      (it runs as a `RematerializationLayer` under
+      `everything_saveable`: nothing is recomputed in a graph; an eager
+      call recomputes it). Without, the executor's threads may run a
+      kept layer's weight-gradient op after the input gradients of the
+      layers below it, which holds its incoming gradient meanwhile, so
+      a step's peak moves with thread timing (up to 1.7x on a chain of
+      six small Dense layers) and with the number of inter-op threads.
+      Chains the planner chose for a budget are gated, as it measured
+      them (docs/design.md, "Budgets that hold").
     ordered: in a `tf.function` (not XLA, and not with one inter-op
       thread, whose executor keeps one order by itself), run the chain's
       forward and backward ops in the order they are built (`_ordered`), so
       that a step's peak varies less from call to call within a process. It
       costs step time, as independent ops no longer overlap
       (docs/benchmarks.md, "Measurements behind the defaults").
-      False (the default) lets the executor's threads overlap them. Chains
-      the planner chose for a budget are ordered, as it measured them.
+      False (the default) lets the executor's threads overlap them. The
+      planner orders a chain only where no unordered plan fits.
   """
 
   def __init__(self, layers, segments, plan=None, policy=None, ordered=False,
-               **kwargs):
+               gated=False, **kwargs):
     layers = layers_lib.keras_layers(layers, "RematSequential", chain=True)
-    segments = [s if isinstance(s, planner.Segment) else planner.Segment(*s)
+    segments = [s if isinstance(s, Segment) else Segment(*s)
                 for s in segments]
-    planner.check_segments(segments, len(layers))
+    check_segments(segments, len(layers))
     for seg in segments:
       if seg.policy is not None:
         policies_lib.get(seg.policy)
@@ -178,8 +193,9 @@ class RematSequential(keras.layers.Layer):
     self.segments = segments
     self.policy = policy
     self.ordered = bool(ordered)
+    self.gated = bool(gated)
     if isinstance(plan, dict):
-      plan = planner.Plan.from_config(plan)
+      plan = Plan.from_config(plan)
     self.plan = plan
     self.steps = []
     for seg in segments:
@@ -190,8 +206,14 @@ class RematSequential(keras.layers.Layer):
         body = ContextSegment(part)
       else:
         body = keras.Sequential(part)
-      self.steps += ([RematerializationLayer(body, policy=seg.policy or policy)]
-                     if seg.remat else part)
+      if seg.remat:
+        self.steps.append(
+            RematerializationLayer(body, policy=seg.policy or policy))
+      elif self.gated:
+        self.steps += [RematerializationLayer(
+            l, policy="everything_saveable") for l in part]
+      else:
+        self.steps += part
 
   def build(self, input_shape=None):
     del input_shape  # Each layer builds itself on its first call.
@@ -202,7 +224,7 @@ class RematSequential(keras.layers.Layer):
     `ContextUnit`s read (see there), if it has any."""
     graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
     if (not self.ordered or graph is None or
-        not any(s.remat for s in self.segments) or
+        not (self.gated or any(s.remat for s in self.segments)) or
         control_flow_util.GraphOrParentsInXlaContext(graph) or
         _one_executor_thread()):
       # Eager ops, XLA's compiled steps and an executor with one inter-op
@@ -263,6 +285,7 @@ class RematSequential(keras.layers.Layer):
         "plan": self.plan.get_config() if self.plan else None,
         "policy": policies_lib.serialize(self.policy),
         "ordered": self.ordered,
+        "gated": self.gated,
     }
 
   @classmethod
@@ -271,6 +294,33 @@ class RematSequential(keras.layers.Layer):
     layers = [keras.saving.deserialize_keras_object(
         l, custom_objects=custom_objects) for l in config.pop("layers")]
     return cls(layers, **config)
+
+
+def apply_plan(layers, plan, policies=(), **kwargs):
+  """The chain `layers` run as `plan` says: the one place a plan becomes
+  layers (`remat_sequential`, `remat_model`, the builder, the planner's
+  checks, the benchmark and `largest_batch` all come here).
+
+  Args:
+    layers: the chain's Keras layers.
+    plan: a `tfremat.planner.Plan`, or a candidate the planner measures
+      (anything with `segments` and `ordered`).
+    policies: the policy values a plan's segments name (a segment whose
+      policy is the name of one of them runs that value: a user's own
+      policy runs as itself).
+    **kwargs: for the `RematSequential` (its `name`, say).
+
+  Returns:
+    A `RematSequential` with the plan's segments, nested ones included, run
+    ordered if the plan is, every kept layer gated (`RematSequential`'s
+    `gated`), and `.plan` the plan (when a Plan is given).
+  """
+  by_name = {policies_lib.name_of(p): p for p in policies}
+  segments = [dataclasses.replace(s, policy=by_name.get(s.policy, s.policy))
+              for s in plan.segments]
+  return RematSequential(layers, segments,
+                         plan=plan if isinstance(plan, Plan) else None,
+                         ordered=plan.ordered, gated=True, **kwargs)
 
 
 def _gradients(ys, xs, grad_ys):

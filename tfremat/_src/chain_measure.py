@@ -11,11 +11,12 @@ import numpy as np
 import tensorflow as tf
 
 from tfremat import measure
-from tfremat import planner
 from tfremat import policies as policies_lib
 from tfremat._src import residuals
 from tfremat._src import watch
 from tfremat._src import chain_layers
+from tfremat._src.cost_model import LayerCost
+from tfremat._src.cost_model import Segment
 from tfremat._src.layers import RematerializationLayer
 
 __all__ = [
@@ -25,9 +26,6 @@ __all__ = [
     "measure_peaks",
     "structure_key",
     "measure_chain",
-    "PLANNED_ORDER",
-    "CHECK_CALLS",
-    "WAITING_FRACTION",
     "WAITING_PROBE_LAYERS",
 ]
 
@@ -53,7 +51,8 @@ def _extra_peak_bytes(more, less, x):
       for _ in range(measure.PEAK_CALLS)]))
 
 
-def training_step(layer, applications=1, jit=False, traced=None):
+def training_step(layer, applications=1, jit=False, traced=None,
+                  relaxed=False):
   """A traced training step of a chain: forward and backward of `layer`
   (applied `applications` times in a row) on a batch, for the loss
   sum(y**2) / 2 summed over its outputs y; returns the input and weight
@@ -65,7 +64,9 @@ def training_step(layer, applications=1, jit=False, traced=None):
   pass would cost nothing and every timing and peak would be too low.
 
   `traced`, a dict if given, gets on tracing where the step's forward and
-  backward ops are in its graph, for `_saved_bytes`.
+  backward ops are in its graph, for `_saved_bytes`. `relaxed`: after a
+  second batch size, the step is traced once for every batch size
+  (`tf.function(reduce_retracing=True)`).
   """
 
   def step(x):
@@ -89,7 +90,7 @@ def training_step(layer, applications=1, jit=False, traced=None):
                     backward=(forward_end, watch.last_op_id(graph)))
     return grads
 
-  return measure.replicated(step, jit_compile=jit)
+  return measure.replicated(step, jit_compile=jit, reduce_retracing=relaxed)
 
 
 # Ops whose outputs a step holds whether or not anything is rematerialized
@@ -170,12 +171,7 @@ def measure_layer(layer, x, repeats=5, policies=()):
     # The second application's weight gradients add to the first's in place.
     saved = _extra_peak_bytes(training_step(layer, 2), once, x) - out
   elif saved is None:
-    before = measure.current_bytes()
-    with tf.GradientTape() as tape:
-      tape.watch(x)
-      held = layer(x, training=True)
-      saved = measure.current_bytes() - before - out
-    del tape, held
+    saved = measure.held_bytes(_taped, layer, x)[1] - out
   saved = max(0, saved)
   fwd_peak = measure.peak_bytes(forward, x)
   # Keyed by name (`tfremat.policies.name_of`): a Plan's segments name
@@ -202,7 +198,7 @@ def measure_layer(layer, x, repeats=5, policies=()):
       p: ([0, fwd_s] if p in empty else
           [kept[p], max(0.0, seconds[first_alike[p]] - both_s)])
       for p in by_name}
-  cost = planner.LayerCost(
+  cost = LayerCost(
       name=layer.name,
       forward_seconds=fwd_s,
       backward_seconds=max(0.0, both_s - fwd_s),
@@ -218,6 +214,15 @@ def measure_layer(layer, x, repeats=5, policies=()):
   return cost, y
 
 
+def _taped(layer, x):
+  """A forward pass of `layer` under an eager tape: (the tape, the output),
+  for what the tape holds (`measure_layer`)."""
+  with tf.GradientTape() as tape:
+    tape.watch(x)
+    y = layer(x, training=True)
+  return tape, y
+
+
 def _kinds_kept(residuals_kept):
   """What a policy keeps of a layer, by kind, for the plan's printout."""
   kinds = []
@@ -230,26 +235,6 @@ def _kinds_kept(residuals_kept):
       kinds.append(kind)
   order = {"dots": 0, "masks": 1, "softmax": 2}
   return "+".join(sorted(kinds, key=lambda k: order.get(k, 3))) or "nothing"
-
-
-# Planned chains run unordered, as they are measured: ordering every large op
-# made a step's peak repeatable within a process, but cost 5-25% of the
-# step time on the benchmark's chains, while the bound each plan is held to
-# (its largest peak, the spread of its calls, the allocator margin) covers
-# what an unordered step's peak moves by (docs/design.md, "Budgets that
-# hold"). A budget that no unordered plan meets is tried ordered before it
-# is refused (`checked_plan`).
-PLANNED_ORDER = False
-
-
-# A plan's measured bound (`planner.Measured`) comes from this many calls of
-# its step: their spread is part of the bound, and what moves between
-# processes is covered by the bound's allocator margin. An unordered plan
-# whose segments hold several layers peaked from 20.1 to 26.8 MiB over 100
-# later calls of one process (tests/budget_later_test.py's "mlp" chain at
-# 50%); drawn from those calls, 5 gave a bound below their largest peak 12%
-# of the time, 10 gave one 1% of the time.
-CHECK_CALLS = 2 * measure.PEAK_CALLS
 
 
 def measure_peak(layer, x, calls=measure.PEAK_CALLS):
@@ -317,23 +302,13 @@ def structure_key(layer, x, policies=()):
           weights, inputs, tuple(policies_lib.name_of(p) for p in policies))
 
 
-# What a layer's recompute costs beyond its forward time when it is not the
-# last layer of a rematerialized segment (`LayerCost.waiting_recompute_seconds`),
-# as a fraction of its forward time. A model's constant by default: timing
-# it on each chain took about as long as measuring a layer, and repeated
-# timings of one chain moved by more than the effect itself, so the plan
-# changed from run to run (docs/benchmarks.md, "Measurements behind the
-# defaults"). `measure_chain(..., measure_waiting=True)` times it instead.
-WAITING_FRACTION = 0.2
-
-
 # With `measure_waiting=True`, the waiting cost is timed on at most this many
 # of the chain's first layers (`measure_chain`).
 WAITING_PROBE_LAYERS = 4
 
 
 def measure_chain(layers, sample_input, repeats=5, progress=None,
-                  policies=(), measure_waiting=False):
+                  policies=(), measure_waiting=False, waiting_fraction=0.2):
   """Measures each layer of a chain in turn; returns a list of LayerCost.
 
   Structurally identical layers (`structure_key`) are measured once: the
@@ -346,7 +321,10 @@ def measure_chain(layers, sample_input, repeats=5, progress=None,
   takes longer than doing the same for k one-layer segments, presumably
   because each layer's recomputed tensors are no longer fresh in cache when
   its backward pass reads them. Each layer's `waiting_recompute_seconds` is
-  `WAITING_FRACTION` of its forward time; with `measure_waiting`, the
+  `waiting_fraction` of its forward time (the planner passes
+  `tfremat.planner.Settings.waiting_fraction`: timing it on each chain took
+  about as long as measuring a layer, and moved by more than the effect
+  itself between runs); with `measure_waiting`, the
   chain's first `WAITING_PROBE_LAYERS` layers are instead timed both ways,
   `repeats` times round-robin, and the difference, as a fraction of the
   forward time of the layers that waited, is spread over every layer in
@@ -369,7 +347,7 @@ def measure_chain(layers, sample_input, repeats=5, progress=None,
         measured[key] = cost
     costs.append(cost)
     advance(1)
-  ratio = WAITING_FRACTION
+  ratio = waiting_fraction
   if measure_waiting and len(costs) > 1:
     ratio = _waiting_ratio(layers, sample_input, costs, repeats)
     advance(1)
@@ -381,11 +359,9 @@ def _waiting_ratio(layers, sample_input, costs, repeats):
   """The chain's measured waiting cost as a fraction of forward time."""
   n = min(len(layers), WAITING_PROBE_LAYERS)
   probe, x = layers[:n], tf.convert_to_tensor(sample_input)
-  steps = [training_step(chain_layers.RematSequential(probe, segments,
-                                         ordered=PLANNED_ORDER))
-           for segments in ([planner.Segment(i, i + 1, True)
-                             for i in range(n)],
-                            [planner.Segment(0, n, True)])]
+  steps = [training_step(chain_layers.RematSequential(probe, segments))
+           for segments in ([Segment(i, i + 1, True) for i in range(n)],
+                            [Segment(0, n, True)])]
   singles, whole = measure.median_seconds(steps, x, repeats=repeats)
   waiting = sum(c.forward_seconds for c in costs[:n - 1])
   return max(0.0, whole - singles) / waiting if waiting else 0.0

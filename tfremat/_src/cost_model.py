@@ -13,8 +13,8 @@ import re
 import numpy as np
 
 from tfremat import errors
-from tfremat import measure
 from tfremat import policies as policies_lib
+from tfremat._src import units
 
 __all__ = [
     "LayerCost",
@@ -28,7 +28,6 @@ __all__ = [
     "fits",
     "least_retained",
     "smallest_budget",
-    "short_policy_name",
     "keep_all",
     "uniform_segments",
     "floor_terms",
@@ -79,6 +78,31 @@ class LayerCost:
   waiting_recompute_seconds: float = 0.0
   policy_costs: dict = dataclasses.field(default_factory=dict)
   policy_keeps: dict = dataclasses.field(default_factory=dict)
+
+  def get_config(self):
+    """A JSON-able dict; `LayerCost.from_config` reads it back."""
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_config(cls, config):
+    return cls(**config)
+
+  def scaled(self, factor):
+    """This layer's costs at `factor` times the batch it was measured at,
+    as far as they grow with it: activations' bytes and every time, not
+    the weight gradients. An estimate, for the planner to check."""
+    def by(n):
+      return int(n * factor)
+    return dataclasses.replace(
+        self, forward_seconds=self.forward_seconds * factor,
+        backward_seconds=self.backward_seconds * factor,
+        input_bytes=by(self.input_bytes), output_bytes=by(self.output_bytes),
+        saved_bytes=by(self.saved_bytes),
+        forward_transient_bytes=by(self.forward_transient_bytes),
+        backward_transient_bytes=by(self.backward_transient_bytes),
+        waiting_recompute_seconds=self.waiting_recompute_seconds * factor,
+        policy_costs={p: [by(kept), seconds * factor]
+                      for p, (kept, seconds) in self.policy_costs.items()})
 
   def recompute_seconds(self, policy=None):
     """What rematerializing this layer adds to a step (before waiting)."""
@@ -183,7 +207,7 @@ class Budget:
 
   def __str__(self):
     if self.num_bytes is not None:
-      return measure.format_bytes(self.num_bytes)
+      return units.format_bytes(self.num_bytes)
     return f"{self.fraction:.0%} of the keep-everything peak"
 
 
@@ -387,26 +411,6 @@ def smallest_budget(costs, table=None):
     else:
       hi = mid
   return lo
-
-
-# Short names of the built-in policies, for printouts.
-_SHORT = {
-    "dots_saveable": "dots",
-    "dots_with_no_batch_dims_saveable": "dots/nobatch",
-    "masks_saveable": "masks",
-    "dots_and_masks_saveable": "dots+masks",
-    "dots_with_no_batch_dims_and_masks_saveable": "dots/nob+masks",
-    "softmax_saveable": "softmax",
-    "masks_and_softmax_saveable": "masks+softmax",
-    "dots_masks_and_softmax_saveable": "dots+masks+softmax",
-    "dots_with_no_batch_dims_masks_and_softmax_saveable":
-        "dots/nob+masks+softmax",
-}
-
-
-def short_policy_name(policy):
-  """A built-in policy's short name for tables, e.g. "dots+masks"."""
-  return _SHORT.get(policy, policy)
 
 
 def keep_all(num_layers):

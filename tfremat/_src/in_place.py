@@ -13,6 +13,7 @@ gradients are exact under dropout and its state updates once.
 """
 
 import contextlib
+import dataclasses
 import functools
 
 import keras
@@ -21,9 +22,11 @@ from keras.src.backend.common import remat as keras_remat
 
 from tfremat import errors
 from tfremat import measure
-from tfremat import planner
 from tfremat import policies
 from tfremat._src import remat
+from tfremat._src import search
+from tfremat._src import units
+from tfremat._src.cost_model import Budget
 from tfremat._src.layers import keras_layers
 
 __all__ = [
@@ -215,37 +218,38 @@ def _rematerialized_call(layer, policy, call, *args, **kwargs):
   return rematerialized
 
 
+@dataclasses.dataclass(frozen=True)
 class InPlaceBudget:
-  """What `remat_in_place_for_budget` chose and measured.
+  """What `remat_in_place_for_budget` chose and measured, as a value.
 
   Attributes:
     layers: the layers it left rematerialized (the first `len(layers)` of
-      those it was given).
-    nested: whether their own layers are rematerialized too
-      (`remat_in_place(layers, nested=True)`).
-    measured: the training step's `planner.Measured` peaks so.
+      those it was given), a tuple.
+    measured: the training step's `tfremat.planner.Measured` peaks so.
     measured_keep: the same with none rematerialized.
     budget_bytes: the budget in bytes.
+    nested: whether their own layers are rematerialized too
+      (`remat_in_place(layers, nested=True)`).
+    search: what was measured to choose it (`tfremat.planner.Search`).
   """
+  layers: tuple
+  measured: object
+  measured_keep: object
+  budget_bytes: int
+  nested: bool = False
+  search: object = dataclasses.field(default=None, compare=False, repr=False)
 
-  def __init__(self, layers, measured, measured_keep, budget_bytes,
-               nested=False):
-    self.layers = layers
-    self.nested = nested
-    self.measured = measured
-    self.measured_keep = measured_keep
-    self.budget_bytes = budget_bytes
+  def __post_init__(self):
+    object.__setattr__(self, "layers", tuple(self.layers))
 
   def __str__(self):
-    keep = self.measured_keep.peak_bytes
+    mib, keep = units.format_bytes, self.measured_keep.peak_bytes
     nested = ", nested," if self.nested else ""
     return (f"{len(self.layers)} layer(s){nested} rematerialized in place: "
-            f"training step peak "
-            f"{measure.format_bytes(self.measured.peak_bytes)} "
-            f"({self.measured.peak_bytes / keep:.2f}x of "
-            f"{measure.format_bytes(keep)} without), bound "
-            f"{measure.format_bytes(self.measured.bound_bytes)} within the "
-            f"budget of {measure.format_bytes(self.budget_bytes)}")
+            f"training step peak {mib(self.measured.peak_bytes)} "
+            f"({self.measured.peak_bytes / keep:.2f}x of {mib(keep)} "
+            f"without), bound {mib(self.measured.bound_bytes)} within the "
+            f"budget of {mib(self.budget_bytes)}")
 
 
 def _state(model):
@@ -258,7 +262,7 @@ def _state(model):
 
 
 def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
-                              calls=measure.PEAK_CALLS, nested=True):
+                              nested=True, settings=search.DEFAULT_SETTINGS):
   """`remat_in_place` on as few of `layers` as keep a training step within
   `budget`, measured on `model.train_on_batch(x, y)`.
 
@@ -268,12 +272,11 @@ def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
   chain of repeated blocks, which ones matters little), whose bound fits.
   If even all of them do not fit, it measures them nested
   (`remat_in_place(layers, nested=True)`: slower, lower), unless `nested`
-  is False. It chooses as a planned chain does
-  (`tfremat.planner.fit_budget`): a choice's bound
-  (`tfremat.planner.Measured`) is the largest peak of `calls` steps, plus
-  their spread, plus the allocator margin. Every variable of the model and
-  of its optimizer is put back after measuring, and the model's train
-  function is traced anew.
+  is False. It chooses through the planner's one budget search: a choice's
+  bound (`tfremat.planner.Measured`) is the largest peak of
+  `settings.check_calls` steps, plus their spread, plus the reserve. Every
+  variable of the model and of its optimizer is put back after measuring,
+  and the model's train function is traced anew.
 
   Args:
     model: a compiled Keras model that `layers` belong to.
@@ -284,9 +287,9 @@ def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
     x, y: a batch, as `model.train_on_batch` takes it (a KerasHub task
       takes strings and no `y`).
     policy: the save policy of every rematerialized layer.
-    calls: training steps per measurement.
     nested: whether it may rematerialize the layers' own layers too, when
       the layers alone do not fit.
+    settings: the planner's `tfremat.planner.Settings`.
 
   Returns:
     An `InPlaceBudget`; its `layers` are left rematerialized.
@@ -298,13 +301,13 @@ def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
       or the model is not compiled.
   """
   layers = keras_layers(layers, "remat_in_place_for_budget")
-  budget = planner.Budget.parse(budget)
+  budget = Budget.parse(budget)
   if not isinstance(nested, bool):
     raise errors.InvalidTypeError(
         f"remat_in_place_for_budget: nested is True or False; got "
         f"{nested!r}.")
   if policy is not None:
-    policies.get(policy)
+    policy = policies.get(policy)
   if getattr(model, "optimizer", None) is None:
     raise errors.InvalidArgumentError(
         "remat_in_place_for_budget measures model.train_on_batch: compile "
@@ -318,7 +321,8 @@ def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
       remat_in_place(layers[:count], policy=policy, nested=nest)
     model.make_train_function(force=True)
     try:
-      return measure.peaks(model.train_on_batch, x, y, calls=calls)
+      return measure.peaks(model.train_on_batch, x, y,
+                           calls=settings.check_calls)
     finally:
       snapshot.restore()
       model.reset_metrics()
@@ -326,45 +330,44 @@ def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
   tried = "rematerialized, and nested," if nested else "rematerialized,"
   with measure.restoring(_state(model)) as snapshot:
     try:
-      fitted = planner.fit_budget(
+      found = search.fit_budget(
           budget, peaks, (0, False),
-          lambda measured, fits, _: _fewest_that_fit(measured, fits, n,
-                                                     nested),
+          lambda budget_bytes, keep: _fewest_that_fit(n, nested),
           rank=lambda key: (key[1], key[0]),  # Unnested, then fewest.
-          refusal=lambda: dict(
+          settings=settings,
+          refusal=dict(
               subject=(f"remat_in_place_for_budget: with all {n} layer(s) "
                        f"{tried} nothing fits"),
               fix=("give more of the model's layers, a save policy that "
                    "keeps less, or a smaller batch")))
     finally:
       undo_remat_in_place(layers)
-  count, nest = fitted.choice
+  count, nest = found.chosen.key
   if count:
     remat_in_place(layers[:count], policy=policy, nested=nest)
   model.make_train_function(force=True)
-  return InPlaceBudget(layers[:count], fitted.measured, fitted.keep,
-                       fitted.budget_bytes, nested=nest)
+  return InPlaceBudget(layers[:count], found.chosen.measured,
+                       found.keep.measured, found.budget_bytes, nested=nest,
+                       search=found)
 
 
-def _fewest_that_fit(measured, fits, n, nested):
-  """`remat_in_place_for_budget`'s search (`planner.fit_budget` measures and
-  chooses): the fewest of the first k of n layers that fit, by halving,
-  then, if all n do not fit and `nested`, all n nested.
-  `measured((k, nest))` measures a step with the first k rematerialized;
-  `fits` is `fit_budget`'s."""
-  def first_k_fit(k):
-    return fits(measured((k, False)))
-
-  if not first_k_fit(n):
+def _fewest_that_fit(n, nested):
+  """`remat_in_place_for_budget`'s candidates, for `search.fit_budget`: a
+  generator of `((k, nested), why)` for the first k of n layers, sent each
+  one's Trial. All n; if they fit, the fewest that fit, by halving; if not
+  and `nested`, all n nested."""
+  trial = yield (n, False), f"all {n} layers rematerialized"
+  if not trial.fits:
     if nested:
       # Every layer alone is over: each layer's rerun holds all of its own
       # layers' working sets at once; nested, one at a time.
-      measured((n, True))
+      yield (n, True), f"all {n} layers rematerialized, nested"
     return
   low, high = 0, n  # low does not fit; high does.
   while high - low > 1:
     middle = (low + high) // 2
-    if first_k_fit(middle):
+    trial = yield (middle, False), f"the first {middle} rematerialized"
+    if trial.fits:
       high = middle
     else:
       low = middle

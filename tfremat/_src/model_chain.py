@@ -12,7 +12,7 @@ from keras.src.models import functional
 import numpy as np
 
 from tfremat import chain as chain_lib
-from tfremat import planner
+from tfremat._src.cost_model import Segment
 
 __all__ = [
     "chain_units",
@@ -73,11 +73,11 @@ def _grouping(held, inputs):
   outputs, stores fewer inputs. For each cap on a segment's `held` (a
   geometric grid), units are grouped greedily under it; the cap with the
   smallest estimate wins (ties: the smaller cap, less recomputed at once).
-  Returns a list of `planner.Segment`.
+  Returns a list of `Segment`.
   """
   known = [h for h in held if h is not None]
   if not known:
-    return [planner.Segment(i, i + 1, True) for i in range(len(held))]
+    return [Segment(i, i + 1, True) for i in range(len(held))]
   best = None
   for cap in sorted(set(np.geomspace(max(known), sum(known), 64).tolist())):
     segments, start, total = [], 0, 0
@@ -85,10 +85,10 @@ def _grouping(held, inputs):
       if h is None or (i > start and (held[i - 1] is None or
                                       total + h > cap)):
         if i > start:
-          segments.append(planner.Segment(start, i, True))
+          segments.append(Segment(start, i, True))
         start, total = i, 0
       total += h or 0
-    segments.append(planner.Segment(start, len(held), True))
+    segments.append(Segment(start, len(held), True))
     largest = max(sum(held[j] or 0 for j in range(s.start, s.stop))
                   for s in segments)
     estimate = sum(inputs[s.start] for s in segments) + largest
@@ -132,10 +132,10 @@ def _group_segments(parts, chosen=None):
     if stop < len(held) and chosen[stop] == chosen[start]:
       continue
     if chosen[start]:
-      segments += [planner.Segment(start + s.start, start + s.stop, True)
+      segments += [Segment(start + s.start, start + s.stop, True)
                    for s in _grouping(held[start:stop], inputs[start:stop])]
     else:
-      segments.append(planner.Segment(start, stop, False))
+      segments.append(Segment(start, stop, False))
     start = stop
   if all(s.stop - s.start == 1 for s in segments if s.remat):
     return None

@@ -2,8 +2,8 @@
 then its budget, measured bound and the cost model's predictions, then a
 legend (`LEGEND`, also `tfremat.planner.LEGEND`)."""
 
-from tfremat import measure
-from tfremat._src.cost_model import short_policy_name
+from tfremat._src import units
+from tfremat import policies
 
 __all__ = [
     "layer_rows",
@@ -14,7 +14,7 @@ __all__ = [
 
 def layer_rows(plan):
   """The per-layer table of `plan`'s printout."""
-  mib = measure.format_bytes
+  mib = units.format_bytes
   rows = [f"{'layer':<24}{'decision':<36}{'stored':>11}{'output':>11}"
           f"{'fwd ms':>9}{'wait ms':>9}"]
   for k, seg in enumerate(plan.segments):
@@ -27,7 +27,7 @@ def layer_rows(plan):
         if seg.policy:
           keeps = c.policy_keeps.get(seg.policy)
           what += (f", keeps {keeps}" if keeps else
-                   f", {short_policy_name(seg.policy)}")
+                   f", {policies.short_name(seg.policy)}")
         stored = c.kept_bytes(seg.policy)
       rows.append(f"{c.name[:23]:<24}{what:<36}{mib(stored):>11}"
                   f"{mib(c.output_bytes):>11}"
@@ -39,7 +39,7 @@ def summary_rows(plan):
   """The budget, measured and predicted lines of `plan`'s printout."""
   # Measured figures are compared with measured ones, the cost model's with
   # the cost model's, and every line says which it is.
-  mib, rows = measure.format_bytes, []
+  mib, rows = units.format_bytes, []
   keep = plan.measured_keep_peak_bytes
   if plan.budget_bytes is not None:
     given = ""
@@ -57,8 +57,8 @@ def summary_rows(plan):
     if plan.budget_bytes is not None:
       verdict = ("; within the budget" if m.bound_bytes <= plan.budget_bytes
                  else "; over the budget")
-    margin = (f" + allocator margin ({mib(m.margin_bytes)})"
-              if m.margin_bytes else "")
+    margin = (f" + reserve ({mib(m.reserve_bytes)})"
+              if m.reserve_bytes else "")
     rows.append(("bound", mib(m.bound_bytes),
                  f"for every later call: largest + spread of the {m.calls} "
                  f"calls{margin}{verdict}"))

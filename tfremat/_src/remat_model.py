@@ -28,6 +28,7 @@ from tfremat import errors
 from tfremat import policies as policies_lib
 from tfremat._src import model_chain
 from tfremat._src import remat
+from tfremat._src import search
 from tfremat._src.layers import RematerializationLayer
 from tfremat._src.layers import refuse_keras2
 from tfremat._src.model_chain import chain_units
@@ -177,7 +178,7 @@ def check_mode_arguments(caller, mode, modes, output_size_threshold,
 
 def remat_model(model, mode="full", output_size_threshold=1024,
                 layer_names=None, policy=None, budget=None, sample_input=None,
-                policies=policies_lib.PLANNED, verbose=1):
+                policies=policies_lib.PLANNED, verbose=1, settings=None):
   """`model` with the chosen layers rematerialized.
 
   Args:
@@ -225,6 +226,8 @@ def remat_model(model, mode="full", output_size_threshold=1024,
     policies: with `budget`, the save policies the planner may choose
       (built-in names or `tfremat.policies` values, your own included).
     verbose: with `budget`, 1 shows a progress bar while measuring.
+    settings: with `budget`, the planner's `tfremat.planner.Settings`
+      (None: the shipped defaults).
 
   Returns:
     A new model of the same kind, built from the same layer objects (no
@@ -246,7 +249,8 @@ def remat_model(model, mode="full", output_size_threshold=1024,
   refuse_keras2(model, "remat_model")
   if budget is not None:
     result = _planned(model, budget, sample_input, policies, verbose,
-                      mode=mode, policy=policy, layer_names=layer_names)
+                      mode=mode, policy=policy, layer_names=layer_names,
+                      settings=settings)
   else:
     result = _by_mode(model, mode, output_size_threshold, layer_names, policy,
                       sample_input)
@@ -488,12 +492,9 @@ def _rematerialized(model, choose, wrapper, recurse):
 
 
 def _planned(model, budget, sample_input, policy_names, verbose, mode,
-             policy, layer_names):
+             policy, layer_names, settings=None):
   """`remat_model(model, budget=...)`: the planner's choice on the model's
   chain of parts."""
-  if not model_chain.is_graph_model(model) or not model.built or not getattr(
-      model, "inputs", None):
-    _check(model, "full", 0, None)
   if mode != "full" or policy is not None or layer_names is not None:
     raise errors.InvalidArgumentError(
         "remat_model: with budget= the planner chooses what to "
@@ -501,27 +502,70 @@ def _planned(model, budget, sample_input, policy_names, verbose, mode,
         "layer_names unset (name the policies it may use with policies=).")
   budget, policy_names = chain_lib.planning_arguments(
       "remat_model", budget, sample_input, policy_names)
-  parts = model_chain.ModelChain.of(model)
-  if parts is None:
-    raise errors.InvalidArgumentError(
-        f"remat_model: {model.name} has fewer than two parts between "
-        "tensors that every path from its inputs to its outputs passes "
-        "through, so there is nothing for a budget to choose between. Give "
-        "mode= instead (\"full\" rematerializes its layers one by one).")
-  x = (sample_input if parts.prefix is None else parts.prefix(sample_input))
-  if parts.context:
-    # What the units read while they are measured: the sample's context.
-    sample_context = keras.tree.flatten(parts.context_of(sample_input))
-    for unit in parts.units:
-      if isinstance(unit, chain_lib.ContextUnit):
-        unit.sample_context = sample_context
-  units = model_chain.planning_units(parts, model.name)
-  chosen = chain_lib.checked_plan(units, budget, x, verbose=verbose,
-                                  policies=policy_names)
-  for unit in parts.units:
-    if isinstance(unit, chain_lib.ContextUnit):
-      unit.sample_context = None  # Not kept alive by the model.
-  return parts.model_with(chain_lib.RematSequential(
-      units, chain_lib.segments_with(chosen.segments, policy_names),
-      plan=chosen,
-      ordered=chosen.ordered, name=f"{model.name}_chain"))
+  planning = ModelPlanning(model)
+  chosen = planning.plan(budget, sample_input, policy_names, verbose=verbose,
+                         settings=settings or search.DEFAULT_SETTINGS)
+  return planning.model_with(chosen, policy_names)
+
+
+class ModelPlanning:
+  """A model as the planner sees it: its chain of units (`planning_units`),
+  the input the chain takes, and the model rebuilt around a plan for them
+  (`remat_model(model, budget=...)`, `tfremat.largest_batch`)."""
+
+  def __init__(self, model):
+    if not model_chain.is_graph_model(model) or not model.built or not (
+        getattr(model, "inputs", None)):
+      _check(model, "full", 0, None)
+    self.model = model
+    self.parts = model_chain.ModelChain.of(model)
+    if self.parts is None:
+      raise errors.InvalidArgumentError(
+          f"remat_model: {model.name} has fewer than two parts between "
+          "tensors that every path from its inputs to its outputs passes "
+          "through, so there is nothing for a budget to choose between. "
+          "Give mode= instead (\"full\" rematerializes its layers one by "
+          "one).")
+    self.units = model_chain.planning_units(self.parts, model.name)
+
+  def chain_input(self, sample_input):
+    """What the chain's first unit reads, for the model's input."""
+    if self.parts.prefix is None:
+      return sample_input
+    return self.parts.prefix(sample_input)
+
+  @contextlib.contextmanager
+  def reading(self, sample_input):
+    """While open, the units that read the chain's context (a padding mask,
+    token ids) read `sample_input`'s, as they do when measured alone."""
+    contexts = [u for u in self.parts.units
+                if isinstance(u, chain_lib.ContextUnit)]
+    sample_context = (keras.tree.flatten(self.parts.context_of(sample_input))
+                      if self.parts.context else None)
+    for unit in contexts:
+      unit.sample_context = sample_context
+    try:
+      yield
+    finally:
+      for unit in contexts:
+        unit.sample_context = None  # Not kept alive by the model.
+
+  def measure_costs(self, sample_input, policies, settings):
+    """The units' `LayerCost`s on `sample_input`."""
+    with self.reading(sample_input):
+      return chain_lib.measure_chain(
+          self.units, self.chain_input(sample_input), policies=policies,
+          waiting_fraction=settings.waiting_fraction)
+
+  def plan(self, budget, sample_input, policies, verbose=0, costs=None,
+           settings=search.DEFAULT_SETTINGS):
+    """The planner's checked plan for the units on `sample_input`."""
+    with self.reading(sample_input):
+      return chain_lib.checked_plan(
+          self.units, budget, self.chain_input(sample_input),
+          verbose=verbose, policies=policies, costs=costs, settings=settings)
+
+  def model_with(self, chosen, policies):
+    """The model, its chain run as `chosen` says."""
+    return self.parts.model_with(chain_lib.apply_plan(
+        self.units, chosen, policies, name=f"{self.model.name}_chain"))

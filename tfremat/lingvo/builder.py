@@ -19,15 +19,13 @@ what is kept for the backward pass, not the layer's weights, outputs or
 gradients.
 """
 
-import dataclasses
 import inspect
 
 from tfremat import chain as chain_lib
 from tfremat import errors
-from tfremat import planner
 from tfremat import policies as policies_lib
+from tfremat._src.cost_model import uniform_segments
 from tfremat._src.layers import RematerializationLayer
-from tfremat.chain import checked_plan
 from tfremat.lingvo import builder_layers
 from tfremat.lingvo import hyperparams
 
@@ -126,21 +124,19 @@ class Base:
           "_RematerializeSeq: give either segments (an int or \"sqrt\") or "
           "budget with sample_input, not both or neither.")
     if segments is not None:
-      chosen = [dataclasses.replace(s, policy=policy)
-                for s in planner.uniform_segments(len(subs), segments)]
       policies_lib.get(policy)
-    else:
-      # Checked before instantiating anything.
-      budget, policies = chain_lib.planning_arguments(
-          "_RematerializeSeq", budget, sample_input, policies, policy)
-      chosen = checked_plan([p.Instantiate() for p in subs], budget,
-                            sample_input, policies=policies).segments
-    parts = []
-    for i, seg in enumerate(chosen):
-      seq = self._Seq(f"{name}_seg{i}", *subs[seg.start:seg.stop])
-      parts.append(self._Rematerialize(f"{name}_remat{i}", seq, seg.policy)
-                   if seg.remat else seq)
-    return self._Seq(name, *parts)
+      parts = []
+      for i, seg in enumerate(uniform_segments(len(subs), segments)):
+        seq = self._Seq(f"{name}_seg{i}", *subs[seg.start:seg.stop])
+        parts.append(self._Rematerialize(f"{name}_remat{i}", seq, policy))
+      return self._Seq(name, *parts)
+    # Checked before instantiating anything.
+    budget, policies = chain_lib.planning_arguments(
+        "_RematerializeSeq", budget, sample_input, policies, policy)
+    chosen = chain_lib.checked_plan([p.Instantiate() for p in subs], budget,
+                                    sample_input, policies=policies)
+    return self._Layer(builder_layers.PlannedSeqLayer, name, sub=list(subs),
+                       plan=chosen, policies=tuple(policies))
 
   def _Linear(self, name, idims, odims):
     """x @ w, a weight matrix and no bias."""

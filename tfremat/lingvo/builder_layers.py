@@ -17,6 +17,7 @@ from tfremat._src import step_seed
 __all__ = [
     "BaseLayer",
     "SequentialLayer",
+    "PlannedSeqLayer",
     "RepeatLayer",
     "ConcatMerge",
     "Add",
@@ -82,6 +83,37 @@ class SequentialLayer(BaseLayer):
     for sub in self.subs:
       xs = _ToTuple(sub(*xs, training=training))
     return _FromTuple(xs)
+
+
+class PlannedSeqLayer(BaseLayer):
+  """Sub-layers in sequence, run as the planner's plan says: the builder's
+  `_RematerializeSeq(..., budget=...)`. The plan's segments, their save
+  policies, nested segments and order are those it measured
+  (`tfremat.chain.apply_plan`); `.plan` is the plan."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define("sub", [], "Params of the sub-layers, applied in order.")
+    p.Define("plan", None, "The tfremat.planner.Plan chosen for them.")
+    p.Define("policies", (), "The save policy values the plan's segments "
+             "may name.")
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    # pylint: disable-next=g-import-not-at-top
+    from tfremat._src.chain_layers import apply_plan
+    self.chain = apply_plan([sub.Instantiate() for sub in params.sub],
+                            params.plan, params.policies,
+                            name=f"{params.name}_chain")
+
+  @property
+  def plan(self):
+    return self.chain.plan
+
+  def call(self, x, training=None):
+    return self.chain(x, training=training)
 
 
 class RepeatLayer(BaseLayer):
