@@ -9,6 +9,7 @@ import pytest
 
 from tfremat import bench
 from tfremat import models
+from tfremat._src import batch_fit
 
 # Small, but big enough that the allocator's peaks are not 0.
 _SMALL = ["--blocks=4", "--width=64", "--batch=512", "--steps=2"]
@@ -257,11 +258,10 @@ def test_largest_batch_searches_to_one_multiple():
   # A step's peak grows along a line; the planner's (here: refusing above
   # 700) need not. The search ends at the largest multiple that fits.
   linear = lambda b: 1000 + 10 * b
-  batch, probes = bench.max_batch.largest_batch(linear, 6000, 64,
-                                                multiple=8)
+  batch, probes = batch_fit.search_batch(linear, 6000, 64, multiple=8)
   assert batch == 496 and linear(batch) <= 6000 < linear(batch + 8)
   assert len(probes) <= 5, probes
   refusing = lambda b: None if b > 700 else 1000 + b
-  batch, probes = bench.max_batch.largest_batch(refusing, 10**6, 64,
-                                                multiple=8, max_probes=20)
+  batch, probes = batch_fit.search_batch(refusing, 10**6, 64, multiple=8,
+                                         max_probes=20)
   assert batch == 696 and len(probes) <= 12, probes

@@ -1,20 +1,25 @@
-"""How large a batch trains within a memory budget, by measuring.
+"""How large a batch trains within a memory size, by measuring.
 
   python -m tfremat.bench --max_batch 512MiB
   python -m tfremat.bench --max_batch 1GiB --max_batch_models mlp,ResNet50
 
-For each model and each way of rematerializing it, `largest_batch` finds
-the largest batch whose training step peaks within the budget
-(`tfremat.measure.peak_bytes`), and the table gives each one's examples per
-second at that batch:
+For each model and each way of rematerializing it, the largest batch whose
+training step fits the memory, and each one's examples per second at that
+batch:
 
-  none                no rematerialization
-  tf.recompute_grad   TensorFlow's, around each block (chain models only)
-  keras.RematScope    the model built inside keras.RematScope(mode="full")
-  tfremat full        every block (or `remat_model(model, "full")`)
-  tfremat policy      the same under the built-in save policy that fits the
-                      largest batch (`tfremat.policies.PLANNED`)
-  tfremat planner     the planner's choice for the budget, at each batch
+  none                  no rematerialization
+  tf.recompute_grad     TensorFlow's, around each block (chain models only)
+  keras.RematScope      the model built inside keras.RematScope(mode="full")
+  tfremat full          every block (or `remat_model(model, "full")`)
+  tfremat policy        the same under the built-in save policy that fits
+                        the largest batch (`tfremat.policies.PLANNED`)
+  tfremat.largest_batch the call users make: the largest batch of those
+                        three ways (full, the planner's plan, none) and the
+                        fastest of them there
+
+Every row's batch is judged by one rule, a planned budget's: its bound (the
+largest peak of `Settings.check_calls` steps, plus their spread, plus the
+reserve) within the memory.
 
 Models: the benchmark's MLP and transformer blocks (as a chain, as the sweep
 runs them), a 4-layer KerasHub GPT2Backbone (random weights) and
@@ -32,14 +37,13 @@ import tensorflow as tf
 
 import tfremat
 from tfremat import chain
-from tfremat import errors
 from tfremat import measure
 from tfremat import models
 from tfremat import planner
 from tfremat import policies
+from tfremat._src import batch_fit
 
 __all__ = [
-    "largest_batch",
     "Method",
     "methods",
     "measure_model",
@@ -55,68 +59,6 @@ MODELS = ("mlp", "transformer", "GPT2Backbone", "ResNet50")
 _MULTIPLE = {"mlp": 64, "transformer": 2, "GPT2Backbone": 2, "ResNet50": 2}
 # The batch the search starts from.
 _FIRST = {"mlp": 1024, "transformer": 16, "GPT2Backbone": 8, "ResNet50": 8}
-
-
-def largest_batch(peak_at, memory_bytes, first, multiple=1, max_probes=10):
-  """The largest batch (a multiple of `multiple`) whose peak fits.
-
-  Peaks grow with the batch about linearly, so each probe after the first
-  two is where the line through the two probes nearest the budget meets it,
-  kept strictly between the largest batch known to fit and the smallest
-  known not to (halfway, when the line points outside).
-
-  Args:
-    peak_at: batch -> the peak bytes of a training step at that batch, or
-      None where no step is made at that batch (a budget the planner
-      refuses there).
-    memory_bytes: the budget.
-    first: the batch to probe first.
-    multiple: batches probed are multiples of it.
-    max_probes: at most this many probes.
-
-  Returns:
-    (batch, probes): the largest batch found to fit (0 if none did), and
-    {batch: peak bytes or None} for every batch probed.
-  """
-  probes = {}
-  low, high = 0, None  # The largest batch that fits; the smallest that not.
-  batch = max(multiple, first // multiple * multiple)
-  while len(probes) < max_probes:
-    probes[batch] = peak_at(batch)
-    fits = probes[batch] is not None and probes[batch] <= memory_bytes
-    if fits:
-      low = max(low, batch)
-    else:
-      high = batch if high is None else min(high, batch)
-    if high is not None and high - low <= multiple:
-      break
-    batch = _next_probe(probes, low, high, memory_bytes, multiple)
-  return low, probes
-
-
-def _next_probe(probes, low, high, memory_bytes, multiple):
-  """Where the line through the two measured probes nearest the budget
-  meets it, if that lies between `low` and `high`; else twice `low` (no
-  batch known not to fit yet) or the middle. Where the line misleads (a
-  planner's peaks do not grow along one; a budget it refuses), the search
-  halves the interval instead."""
-  measured = sorted((b for b, p in probes.items() if p is not None),
-                    key=lambda b: abs(probes[b] - memory_bytes))[:2]
-  guess = None
-  if len(measured) == 2:
-    (b1, b2) = measured
-    slope = (probes[b2] - probes[b1]) / (b2 - b1)
-    if slope > 0:
-      guess = int(b1 + (memory_bytes - probes[b1]) / slope)
-  if high is None:
-    guess = 2 * low if guess is None else min(guess, 4 * max(low, multiple))
-    guess = max(guess // multiple * multiple, low + multiple)
-  elif guess is None or not low < guess < high:
-    guess = (low + high) // 2
-  if high is not None:
-    guess = min(max(guess // multiple * multiple, low + multiple),
-                high - multiple)
-  return max(multiple, guess)
 
 
 @dataclasses.dataclass
@@ -203,14 +145,6 @@ def _chain_methods(name, memory_bytes, blocks, width):
       scope_layers, _ = _chain_parts(name, blocks, width)
     return keras.Sequential(scope_layers), inputs(batch)
 
-  def planned(batch):
-    x = inputs(batch)
-    try:
-      return tfremat.remat_sequential(layers, budget=memory_bytes,
-                                      sample_input=x, verbose=0), x
-    except errors.BudgetUnreachableError:
-      return None
-
   found = [
       Method("none", lambda b: (tfremat.RematSequential(
           layers, segments(False)), inputs(b))),
@@ -220,10 +154,10 @@ def _chain_methods(name, memory_bytes, blocks, width):
       Method("tfremat full", lambda b: (tfremat.RematSequential(
           layers, segments(True)), inputs(b)))]
   for p in policies.PLANNED:
-    found.append(Method(f"tfremat policy {planner.short_policy_name(p)}",
+    found.append(Method(f"tfremat policy {policies.short_name(p)}",
                         lambda b, p=p: (tfremat.RematSequential(
                             layers, segments(True, p)), inputs(b))))
-  return found + [Method("tfremat planner", planned)]
+  return found
 
 
 def _whole_methods(name, memory_bytes):
@@ -234,14 +168,6 @@ def _whole_methods(name, memory_bytes):
     with keras.RematScope(mode="full"):
       return build(), inputs(batch)
 
-  def planned(batch):
-    x = inputs(batch)
-    try:
-      return tfremat.remat_model(model, budget=memory_bytes, sample_input=x,
-                                 verbose=0), x
-    except errors.BudgetUnreachableError:
-      return None
-
   found = [
       Method("none", lambda b: (model, inputs(b))),
       Method("keras.RematScope", scoped),
@@ -249,37 +175,40 @@ def _whole_methods(name, memory_bytes):
                                         inputs(b)))]
   for p in policies.PLANNED:
     found.append(Method(
-        f"tfremat policy {planner.short_policy_name(p)}",
+        f"tfremat policy {policies.short_name(p)}",
         lambda b, p=p: (tfremat.remat_model(model, "full", policy=p),
                         inputs(b))))
-  return found + [Method("tfremat planner", planned)]
+  return found
 
 
 class _Failed(Exception):
   """A method's step failed to build or run (not a budget it refused)."""
 
 
-def _peak_at(method, cache):
-  """batch -> the method's peak at that batch (None where the planner
-  refuses the budget); fills `cache` with {batch: (step, inputs)}. A step
-  that fails raises `_Failed`: a smaller batch would fail the same way."""
+def _bound_at(method, cache, memory_bytes, settings):
+  """batch -> the method's bound at that batch, as a planned budget is held
+  to (a few calls where it is clearly in or out, else `check_calls`); fills
+  `cache` with {batch: (step, inputs, Measured)}. A step that fails raises
+  `_Failed`: a smaller batch would fail the same way."""
 
-  def peak(batch):
+  def bound(batch):
     try:
-      made = method.make(batch)
-      if made is None:
-        return None
-      layer, x = made
+      layer, x = method.make(batch)
       step = chain.training_step(layer)
-      found = measure.peak_bytes(step, x)
+      peaks = measure.peaks(step, x, calls=3)
+      found = planner.Measured.of(peaks, settings.reserve)
+      if abs(found.bound_bytes - memory_bytes) < 0.1 * memory_bytes:
+        peaks += measure.peaks(step, x, calls=settings.check_calls - 3,
+                               warmup=False)
+        found = planner.Measured.of(peaks, settings.reserve)
     except tf.errors.ResourceExhaustedError:
       return None
     except (ValueError, TypeError, tf.errors.OpError) as e:
       raise _Failed(f"fails: {_reason(e)}") from e
-    cache[batch] = (step, x)
-    return found
+    cache[batch] = (step, x, found)
+    return found.bound_bytes
 
-  return peak
+  return bound
 
 
 def _reason(error):
@@ -295,39 +224,69 @@ def _reason(error):
 
 
 def measure_model(name, memory_bytes, rounds=5, blocks=None, width=None,
-                  log=None):
+                  log=None, settings=planner.DEFAULT_SETTINGS):
   """Rows for model `name`: each method's largest batch within
-  `memory_bytes` and its examples per second there. Of the save policies,
-  the one with the largest batch is kept (ties: the fastest). `log`, if
-  given, is called with a line as each method's search ends."""
+  `memory_bytes` and its examples per second there, and what
+  `tfremat.largest_batch` returns. Of the save policies, the one with the
+  largest batch is kept (ties: the fastest). `log`, if given, is called
+  with a line as each method's search ends."""
   rows = []
   with chain.retracing_quiet(), warnings.catch_warnings():
     warnings.simplefilter("ignore")
     for method in methods(name, memory_bytes, blocks, width):
       cache, note = {}, ""
       start = time.perf_counter()
-      first = _FIRST.get(name, 8)
-      if method.name == "tfremat planner":
-        # Each of its probes plans anew: start where full remat ended.
-        first = max([r["batch"] for r in rows
-                     if r["method"] == "tfremat full"] + [first])
       try:
-        batch, probes = largest_batch(_peak_at(method, cache), memory_bytes,
-                                      first, _MULTIPLE.get(name, 2))
+        batch, probes = batch_fit.search_batch(
+            _bound_at(method, cache, memory_bytes, settings), memory_bytes,
+            _FIRST.get(name, 8), _MULTIPLE.get(name, 2))
       except _Failed as e:
         batch, probes, note = 0, {}, str(e)
       row = {"model": name, "method": method.name, "batch": batch,
-             "peak_bytes": probes.get(batch), "probes": len(probes),
+             "probes": len(probes),
              "search_seconds": time.perf_counter() - start,
              "note": note if note or batch else "nothing fits"}
       if batch:
-        row["step"], row["inputs"] = cache[batch]
+        row["step"], row["inputs"], measured = cache[batch]
+        row["peak_bytes"], row["bound_bytes"] = (measured.peak_bytes,
+                                                 measured.bound_bytes)
       rows.append(row)
-      if log is not None:
-        log(f"{name}, {method.name}: batch {batch} ({len(probes)} probes, "
-            f"{row['search_seconds']:.0f} s) {row['note']}".rstrip())
+      _log(log, row)
+    rows.append(_largest(name, memory_bytes, blocks, width, settings))
+    _log(log, rows[-1])
   _time_rows([r for r in rows if r["batch"]], rounds)
   return _best_policy(rows)
+
+
+def _largest(name, memory_bytes, blocks, width, settings):
+  """The row of `tfremat.largest_batch` on model `name`."""
+  if name in ("mlp", "transformer"):
+    model, inputs = _chain_parts(name, blocks, width)
+  else:
+    build, inputs = _whole_parts(name)
+    model = build()
+  start = time.perf_counter()
+  found = tfremat.largest_batch(
+      model, memory_bytes, inputs(_FIRST.get(name, 8)),
+      multiple=_MULTIPLE.get(name, 2), settings=settings, verbose=0)
+  row = {"model": name, "method": "tfremat.largest_batch",
+         "batch": found.batch, "probes": len(found.trials),
+         "search_seconds": time.perf_counter() - start,
+         "note": f"chose {found.method}" if found.batch else "nothing fits"}
+  if found.batch:
+    row["step"] = chain.training_step(found.model)
+    row["inputs"] = batch_fit.resized(inputs(_FIRST.get(name, 8)),
+                                      found.batch)
+    row["peak_bytes"] = found.measured.peak_bytes
+    row["bound_bytes"] = found.measured.bound_bytes
+  return row
+
+
+def _log(log, row):
+  if log is not None:
+    log(f"{row['model']}, {row['method']}: batch {row['batch']} "
+        f"({row['probes']} probes, {row['search_seconds']:.0f} s) "
+        f"{row['note']}".rstrip())
 
 
 def _time_rows(rows, rounds):
@@ -358,23 +317,27 @@ def _best_policy(rows):
 
 LEGEND = """\
 batch: the largest batch whose training step (the gradient of the sum of
-  the squared outputs) peaked within the memory, searched in multiples of
-  the model's step; x none: its ratio to the `none` row's. examples/s: the
-  batch over the median step time at it ({rounds} rounds, every row once per
+  the squared outputs) fits the memory, searched in multiples of the
+  model's step; x none: its ratio to the `none` row's. Every row is judged
+  as a planned budget is: its bound (bound MiB: the largest peak of
+  {check_calls} steps, plus their spread, plus the {reserve:.0%} reserve)
+  within the memory. peak MiB: the largest of those peaks (the tensors'
+  bytes, as tfremat.measure.peak_bytes counts them). examples/s: the batch
+  over the median step time at it ({rounds} rounds, every row once per
   round, in shuffled order); x none: per example, against `none`'s.
 keras.RematScope: the model built inside keras.RematScope(mode="full"),
   which runs each layer through tf.recompute_grad. tfremat policy: every
   block (or remat_model(model, "full", policy=...)) under the built-in
-  policy that fit the largest batch. tfremat planner:
-  remat_sequential(..., budget=memory) or remat_model(..., budget=memory),
-  planned at each batch tried; a batch whose budget it refuses does not
-  fit."""
+  policy that fit the largest batch. tfremat.largest_batch: what the call
+  returns for the memory (the note says which way it chose: full, the
+  planner's plan or none), at the batch it found."""
 
 
 def format_table(rows, memory_bytes):
   """The rows as a text table, each model's ratios against its `none`."""
   header = (f"{'model':<14}{'method':<30}{'batch':>7}{'x none':>8}"
-            f"{'peak MiB':>10}{'examples/s':>12}{'x none':>8}  note")
+            f"{'peak MiB':>10}{'bound MiB':>11}{'examples/s':>12}"
+            f"{'x none':>8}  note")
   lines = [f"memory: {measure.format_bytes(memory_bytes)}", header,
            "-" * (len(header) + 20)]
   base = {}
@@ -382,7 +345,7 @@ def format_table(rows, memory_bytes):
     if r["method"] == "none":
       base = r
     if not r["batch"]:
-      lines.append(f"{r['model']:<14}{r['method']:<30}{0:>7}{'':>38}  "
+      lines.append(f"{r['model']:<14}{r['method']:<30}{0:>7}{'':>49}  "
                    f"{r['note']}")
       continue
     x_batch = r["batch"] / base["batch"] if base.get("batch") else float("nan")
@@ -390,6 +353,7 @@ def format_table(rows, memory_bytes):
               if base.get("batch") else float("nan"))
     lines.append(
         f"{r['model']:<14}{r['method']:<30}{r['batch']:>7}{x_batch:>8.2f}"
-        f"{r['peak_bytes'] / 2**20:>10.1f}{r['examples_per_second']:>12.1f}"
+        f"{r['peak_bytes'] / 2**20:>10.1f}{r['bound_bytes'] / 2**20:>11.1f}"
+        f"{r['examples_per_second']:>12.1f}"
         f"{x_rate:>8.2f}  {r['note']}")
   return "\n".join(lines)

@@ -1,0 +1,495 @@
+"""The largest batch whose training step fits a memory size, and the model to
+train at it: `tfremat.largest_batch`.
+
+A step's peak grows about linearly with the batch. Rematerializing every
+layer (or block) is found first, from a line through two measured batches
+and a few checks near where it meets the memory; the planner is then asked
+for the memory at that batch, once, and at a larger one where its plan left
+room; at the largest batch any of them fits, the ones that fit are timed and
+the fastest per example is returned. Every candidate is judged by the same
+rule as a planned budget: its bound (`tfremat.planner.Measured`: the largest
+peak of `Settings.check_calls` steps, plus their spread, plus the reserve)
+within the memory.
+"""
+
+import dataclasses
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfremat import errors
+from tfremat import measure
+from tfremat import policies as policies_lib
+from tfremat._src import chain_layers
+from tfremat._src import chain_measure
+from tfremat._src import cost_model
+from tfremat._src import in_place
+from tfremat._src import layers as layers_lib
+from tfremat._src import search
+from tfremat._src import units
+from tfremat._src.cost_model import Budget
+from tfremat._src.cost_model import keep_all
+from tfremat._src.cost_model import uniform_segments
+from tfremat._src.plan import Plan
+
+__all__ = [
+    "largest_batch",
+    "LargestBatch",
+    "BatchTrial",
+    "search_batch",
+    "resized",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchTrial:
+  """One measurement of `largest_batch`: a way of training ("none",
+  "full", the planner's "lowest" plan or that plan "nested") at a batch,
+  its bound (a `tfremat.planner.Measured`), and whether it fits."""
+  way: str
+  batch: int
+  measured: object
+  fits: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class LargestBatch:
+  """What `largest_batch` found.
+
+  Attributes:
+    batch: the largest batch whose training step fits the memory (0 when
+      none does).
+    model: what to train at it: the model (or chain) rematerialized as
+      `method` says; None when nothing fits.
+    method: "none" (no rematerialization fits), "full" (every layer, as
+      `remat_model(model, "full")` or every block of a chain), or
+      "planner" (the plan the planner predicts to peak lowest, nested or
+      not; its chain's `.plan` says which).
+    measured: its `tfremat.planner.Measured` at that batch.
+    memory_bytes: the memory given, in bytes.
+    examples_per_second: its measured speed at that batch (None when only
+      one method fits and nothing was timed).
+    trials: every `BatchTrial`, in the order measured.
+    seconds: how long the search took.
+  """
+  batch: int
+  model: object
+  method: str
+  measured: object
+  memory_bytes: int
+  examples_per_second: float = None
+  trials: tuple = ()
+  seconds: float = 0.0
+
+  def __str__(self):
+    mib = units.format_bytes
+    if not self.batch:
+      return (f"no batch fits {mib(self.memory_bytes)}, even of 1 with every "
+              "layer rematerialized")
+    speed = (f", {self.examples_per_second:.1f} examples/s"
+             if self.examples_per_second else "")
+    how = {"none": "no rematerialization", "full": "every layer "
+           "rematerialized", "planner": "the planner's lowest plan"}
+    return (f"batch {self.batch}, {how[self.method]}: bound "
+            f"{mib(self.measured.bound_bytes)} within "
+            f"{mib(self.memory_bytes)}{speed} ({len(self.trials)} "
+            f"measurements, {self.seconds:.0f} s)")
+
+
+def resized(sample, batch):
+  """`sample` (a tensor, or a structure of them, batched along axis 0) with
+  `batch` examples: its own repeated and cut."""
+  def one(t):
+    t = tf.convert_to_tensor(t)
+    repeats = -(-batch // int(t.shape[0]))
+    tiled = tf.tile(t, [repeats] + [1] * (t.shape.rank - 1))
+    return tiled[:batch]
+  return tf.nest.map_structure(one, sample)
+
+
+def largest_batch(model, memory, sample_input, *, multiple=None,
+                  policies=policies_lib.PLANNED,
+                  settings=search.DEFAULT_SETTINGS, verbose=1,
+                  timing_rounds=3):
+  """The largest batch whose training step fits `memory`, and the
+  rematerialized model that trains fastest per example at it.
+
+    found = tfremat.largest_batch(model, "512MiB", sample_batch)
+    print(found)   # batch 1234, every layer rematerialized: bound ...
+    found.model.fit(data, batch_size=found.batch)
+
+  A step's peak grows about linearly with the batch. The ways that peak
+  lowest are each measured at the sample's batch and twice it: every layer
+  rematerialized (`remat_model(model, "full")`, or every block of a chain),
+  and the plan the planner predicts to peak lowest, on the layers' costs
+  measured at the sample's batch, nested too where the layers have layers
+  of their own (`tfremat.planner`). Where each one's line meets `memory`, a
+  few single calls find the largest batch it fits. At the largest batch of
+  all, every way that fits there (keeping everything too, where it does) is
+  checked as a planned budget is, and timed, and the fastest per example is
+  returned. At that batch the memory leaves no room for a plan that keeps
+  more: the planner would choose among the same lowest plans. The batch is
+  the largest to about 2% (or to `multiple`, when that is coarser): peaks
+  move by a few percent from call to call, so finer is not meaningful.
+
+  Every way is judged as a planned budget is: its bound (the largest peak
+  of `settings.check_calls` steps, plus their spread, plus the reserve)
+  within `memory`. A step's peak is what `tfremat.measure.peak_bytes`
+  counts: the tensors a training step allocates, beyond the weights and the
+  batch.
+
+  Args:
+    model: a built `keras.Sequential` or functional `keras.Model` (a
+      KerasHub backbone, a `keras.applications` CNN), or a chain: a list of
+      Keras layers, each taking the previous one's output.
+    memory: the memory for a training step's peak: bytes, or a string with
+      a unit ("512MiB").
+    sample_input: a batch like those it will train on; batches of other
+      sizes repeat and cut it along its first axis.
+    multiple: batches are multiples of this; None: about 1% of the largest
+      batch first predicted, rounded down to a power of two.
+    policies: the save policies the planner's costs are measured under
+      (as for `remat_model`).
+    settings: the planner's `tfremat.planner.Settings`.
+    verbose: 1 shows a progress bar; 2 a line per measurement; 0 nothing.
+    timing_rounds: rounds of timing at the batch found, each calling every
+      way that fits there once.
+
+  Returns:
+    A `LargestBatch`: `batch`, `model` (train this at `batch`), `method`,
+    its measured bound, its examples per second, and every measurement.
+
+  Raises:
+    TypeError, ValueError: a model it cannot take, a memory that is not
+      bytes, a bad multiple; raised before anything is measured.
+  """
+  memory_bytes = Budget.parse(memory).num_bytes
+  if memory_bytes is None:
+    raise errors.InvalidArgumentError(
+        f"largest_batch: memory is bytes or a string with a unit "
+        f"(\"512MiB\"), not a fraction; got {memory!r}.")
+  if multiple is not None and (isinstance(multiple, bool) or
+                               not isinstance(multiple, int) or multiple < 1):
+    raise errors.InvalidArgumentError(
+        f"largest_batch: multiple is a positive int or None; got "
+        f"{multiple!r}.")
+  policies = _chain().planned_policies(policies)
+  finder = _BatchSearch(_Ways(model, policies, settings), sample_input,
+                        memory_bytes, settings, verbose)
+  with _chain().retracing_quiet():
+    return finder.run(multiple, timing_rounds)
+
+
+class _BatchSearch:
+  """`largest_batch`'s measurements, in the order it makes them."""
+
+  def __init__(self, ways, sample_input, memory_bytes, settings, verbose):
+    self.ways = ways
+    self.sample_input = sample_input
+    self.memory_bytes = memory_bytes
+    self.settings = settings
+    self.verbose = verbose
+    self.first = int(tf.nest.flatten(sample_input)[0].shape[0])
+    self.progress = measure.progress_bar(12, "measurement", verbose == 1)
+    self.trials = []
+    self.start = time.perf_counter()
+
+  def note(self, line):
+    if self.verbose == 2:
+      print(f"largest_batch: {line} "
+            f"({time.perf_counter() - self.start:.0f} s)", flush=True)
+
+  def bound_at(self, way, batch, calls=1):
+    """The way's `Measured` at `batch`, over `calls` calls."""
+    x = resized(self.sample_input, batch)
+    measured = search.Measured.of(
+        measure.peaks(self.ways.step(way), x, calls=calls,
+                      warmup=self.ways.warm(way, batch)),
+        self.settings.reserve)
+    fits = measured.bound_bytes <= self.memory_bytes
+    self.trials.append(BatchTrial(way, batch, measured, fits))
+    self.note(f"{way} at batch {batch}: bound "
+              f"{units.format_bytes(measured.bound_bytes)} over {calls} "
+              f"call(s), {'fits' if fits else 'over'}")
+    _advance(self.progress)
+    return measured
+
+  def run(self, multiple, timing_rounds):
+    """The `LargestBatch`."""
+    self.ways.add_planned(self.sample_input)
+    self.note(f"the layers' costs measured at batch {self.first}")
+    lines = {}
+    for way in self.ways.names:
+      lines[way] = _line(self.bound_at, way, self.first)
+      if way not in ("none", "full") and lines[way] == lines["full"]:
+        del lines[way]  # The same peaks as "full" (a CNN's groups nested).
+    reach = {w: _meets(line, self.memory_bytes, default=0)
+             for w, line in lines.items()}
+    lowest = [w for w in lines if w != "none"]
+    top = max(reach[w] for w in lowest)
+    if multiple is None:
+      multiple = 1 << max(0, int(np.log2(max(1.0, 0.01 * top))))
+    found = {}  # Way -> (batch, its Measured over check_calls).
+    for way in lowest:
+      if reach[way] >= 0.9 * top:  # Else its line meets the memory well
+        found[way] = _largest_of(  # below another's.
+            way, reach[way], self.bound_at, self.memory_bytes, multiple,
+            self.settings.check_calls)
+    batch = max((b for b, _ in found.values()), default=0)
+    measured = {w: m for w, (b, m) in found.items() if b == batch and batch}
+    if batch and reach["none"] >= 0.95 * batch:
+      none = self.bound_at("none", batch, calls=self.settings.check_calls)
+      if none.bound_bytes <= self.memory_bytes:
+        measured["none"] = none
+    chosen, speed = self.fastest(batch, measured, timing_rounds)
+    _finish(self.progress)
+    return LargestBatch(
+        batch if chosen else 0,
+        self.ways.result(chosen, batch, self.memory_bytes, measured[chosen])
+        if chosen else None, self.ways.method(chosen) if chosen else "none",
+        measured.get(chosen), self.memory_bytes, speed, tuple(self.trials),
+        time.perf_counter() - self.start)
+
+  def fastest(self, batch, measured, timing_rounds):
+    """(the way that trains fastest per example at `batch` of those in
+    `measured`, its examples per second when several were timed)."""
+    if len(measured) < 2:
+      return next(iter(measured), None), None
+    ways = list(measured)
+    times = measure.median_seconds(
+        [self.ways.step(w) for w in ways], resized(self.sample_input, batch),
+        repeats=timing_rounds)
+    self.note(f"timed at batch {batch}: " + ", ".join(
+        f"{w} {1000 * t:.0f} ms" for w, t in zip(ways, times)))
+    return ways[int(np.argmin(times))], batch / min(times)
+
+
+def _largest_of(way, reach, bound_at, memory_bytes, multiple, check_calls):
+  """(batch, Measured): about the largest batch (to a multiple, or 2%) at
+  which `way`'s bound over `check_calls` calls fits, starting where its line
+  meets the memory (`reach`). One probe of three calls there, then checks
+  of `check_calls` calls, each aimed where the memory is in proportion to
+  the last bound, a little below; (0, None) if even a batch of one does
+  not fit."""
+  def aimed(batch, measured):
+    scaled = batch * memory_bytes / max(1, measured.bound_bytes) * 0.99
+    return max(multiple, int(scaled) // multiple * multiple)
+
+  batch = max(multiple, int(reach) // multiple * multiple)
+  batch = aimed(batch, bound_at(way, batch, calls=3))
+  best = (0, None)
+  for _ in range(3):
+    measured = bound_at(way, batch, calls=check_calls)
+    if measured.bound_bytes <= memory_bytes:
+      best = max(best, (batch, measured), key=lambda b: b[0])
+      following = aimed(batch, measured)
+      if following < batch * 1.02 or following <= batch:
+        break  # Within 2% of where the memory is: close enough.
+    else:
+      following = min(aimed(batch, measured), batch - multiple)
+      if following < 1:
+        break
+    if following == batch:
+      break
+    batch = following
+  return best
+
+
+def _line(bound_at, way, first):
+  """(slope, intercept) of the way's bound over the batch, from the
+  sample's batch and twice it."""
+  low, high = bound_at(way, first), bound_at(way, 2 * first)
+  slope = (high.bound_bytes - low.bound_bytes) / first
+  return slope, low.bound_bytes - slope * first
+
+
+def _meets(line, memory_bytes, default=None):
+  """The batch at which the line meets the memory, or `default`."""
+  slope, intercept = line
+  if slope <= 0:
+    return default
+  return (memory_bytes - intercept) / slope
+
+
+def _advance(progress):
+  if progress is not None:
+    progress.add(1)
+
+
+def _finish(progress):
+  if progress is not None:
+    progress.update(max(progress.target, progress._seen_so_far),  # pylint: disable=protected-access
+                    finalize=True)
+
+
+def _bound(measured):
+  return None if measured is None else measured.bound_bytes
+
+
+class _Ways:
+  """The ways `largest_batch` trains a model, each made once (its step
+  takes any batch): "none", "full", and the planner's lowest plan
+  ("lowest") and that plan nested ("nested") where they differ from
+  "full"."""
+
+  def __init__(self, model, policies, settings):
+    # pylint: disable-next=g-import-not-at-top
+    from tfremat._src import remat_model as remat_model_lib
+    self.policies = policies
+    self.settings = settings
+    if isinstance(model, keras.Model):
+      layers_lib.refuse_keras2(model, "largest_batch")
+      self.planning = remat_model_lib.ModelPlanning(model)
+      self.layers = self.planning.units
+      self.made = {"none": model,
+                   "full": remat_model_lib.remat_model(model, "full")}
+    else:
+      self.planning = None
+      self.layers = layers_lib.keras_layers(model, "largest_batch",
+                                            chain=True)
+      n = len(self.layers)
+      self.made = {
+          "none": chain_layers.RematSequential(self.layers, keep_all(n)),
+          "full": chain_layers.RematSequential(self.layers,
+                                               uniform_segments(n, n))}
+    self.names = ["none", "full"]
+    self.plans = {}
+    self.costs = None
+    self._first = None
+    self._steps = {}
+    self._warm = {}
+
+  def add_planned(self, sample_input):
+    """Measures the layers' costs at the sample's batch, and adds the
+    planner's lowest plan, and that plan nested, where they are not what
+    "full" runs."""
+    self._first = int(tf.nest.flatten(sample_input)[0].shape[0])
+    if self.planning is not None:
+      self.costs = self.planning.measure_costs(sample_input, self.policies,
+                                               self.settings)
+    else:
+      self.costs = _chain().measure_chain(
+          self.layers, sample_input, policies=self.policies,
+          waiting_fraction=self.settings.waiting_fraction)
+    n = len(self.layers)
+    lowest = list(search.lowest_plan(self.costs).segments)
+    nestable = [in_place.can_nest(chain_layers.nest_target(l))
+                for l in self.layers]
+    nested = cost_model.nested_segments(lowest, nestable)
+    alone = uniform_segments(n, n)
+    for name, segments in (("lowest", lowest), ("nested", nested)):
+      if not segments or segments == alone:
+        continue  # What "full" runs.
+      if any(segments == p.segments for p in self.plans.values()):
+        continue
+      plan = Plan(self.costs, segments)
+      self.plans[name] = plan
+      layer = chain_layers.apply_plan(self.layers, plan, self.policies)
+      self.made[name] = (layer if self.planning is None else
+                         self.planning.parts.model_with(layer))
+      self.names.append(name)
+
+  def step(self, way):
+    """A training step of the way, traced once for every batch size after
+    the second."""
+    if way not in self._steps:
+      self._steps[way] = chain_measure.training_step(self.made[way],
+                                                     relaxed=True)
+    return self._steps[way]
+
+  def warm(self, way, batch):
+    """Whether to call the step once unmeasured before measuring it at
+    `batch`: at its first two batch sizes, each of which traces it (then
+    it is traced for any size)."""
+    sizes = self._warm.setdefault(way, set())
+    first_time = batch not in sizes and len(sizes) < 2
+    sizes.add(batch)
+    return first_time
+
+  def method(self, way):
+    return "planner" if way in self.plans else way
+
+  def result(self, way, batch, memory_bytes, measured):
+    """The model to train; a planner's plan is kept on its chain, with its
+    costs at `batch`, the memory as its budget and its bound."""
+    if way not in self.plans:
+      return self.made[way]
+    plan = Plan([c.scaled(batch / self._first) for c in self.costs],
+                self.plans[way].segments, memory_bytes,
+                Budget(num_bytes=memory_bytes), measured=measured)
+    layer = chain_layers.apply_plan(self.layers, plan, self.policies)
+    if self.planning is None:
+      return layer
+    return self.planning.parts.model_with(layer)
+
+
+def _chain():
+  # pylint: disable-next=g-import-not-at-top
+  from tfremat import chain
+  return chain
+
+
+def search_batch(bound_at, memory_bytes, first, multiple=1, max_probes=10,
+                 known=None):
+  """The largest batch (a multiple of `multiple`) whose bound fits.
+
+  Bounds grow with the batch about linearly, so each probe after the first
+  two is where the line through the two probes nearest the memory meets
+  it, kept strictly between the largest batch known to fit and the smallest
+  known not to (halfway, when the line points outside).
+
+  Args:
+    bound_at: batch -> the bound bytes of a training step at that batch, or
+      None where no step is made at that batch (a budget the planner
+      refuses there).
+    memory_bytes: the memory.
+    first: the batch to probe first.
+    multiple: batches probed are multiples of it.
+    max_probes: at most this many probes.
+    known: {batch: bound or None} already measured (not multiples, say),
+      used for the line but not as answers.
+
+  Returns:
+    (batch, probes): the largest batch found to fit (0 if none did), and
+    {batch: bound bytes or None} for every batch probed.
+  """
+  probes = {}
+  line = dict(known or {})
+  low, high = 0, None  # The largest batch that fits; the smallest that not.
+  batch = max(multiple, first // multiple * multiple)
+  while len(probes) < max_probes:
+    probes[batch] = line[batch] = bound_at(batch)
+    fits = probes[batch] is not None and probes[batch] <= memory_bytes
+    if fits:
+      low = max(low, batch)
+    else:
+      high = batch if high is None else min(high, batch)
+    if high is not None and high - low <= multiple:
+      break
+    batch = _next_probe(line, low, high, memory_bytes, multiple)
+  return low, probes
+
+
+def _next_probe(probes, low, high, memory_bytes, multiple):
+  """Where the line through the two measured probes nearest the memory
+  meets it, if that lies between `low` and `high`; else twice `low` (no
+  batch known not to fit yet) or the middle."""
+  measured = sorted((b for b, p in probes.items() if p is not None),
+                    key=lambda b: abs(probes[b] - memory_bytes))[:2]
+  guess = None
+  if len(measured) == 2:
+    (b1, b2) = measured
+    slope = (probes[b2] - probes[b1]) / (b2 - b1)
+    if slope > 0:
+      guess = int(b1 + (memory_bytes - probes[b1]) / slope)
+  if high is None:
+    guess = 2 * low if guess is None else min(guess, 4 * max(low, multiple))
+    guess = max(guess // multiple * multiple, low + multiple)
+  elif guess is None or not low < guess < high:
+    guess = (low + high) // 2
+  if high is not None:
+    guess = min(max(guess // multiple * multiple, low + multiple),
+                high - multiple)
+  return max(multiple, guess)
