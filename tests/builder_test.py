@@ -259,3 +259,32 @@ def test_help_shows_every_helper():
   for name in helpers:
     assert f"{name}(name" in text, name
   assert "Connects sub-layers sequentially." in text
+
+
+def test_a_budget_stack_runs_the_plan_as_it_was_measured(monkeypatch):
+  # The builder used to rebuild a budget plan from its segments' ranges
+  # and policy names: a plan that fit only ordered or nested ran unordered
+  # and whole, and a user's own policy ran as the built-in of its name, or
+  # not at all. It now runs the plan itself (tfremat.chain.apply_plan).
+  own = tfremat.policies.save_only_these_names("hidden")
+  costs = [tfremat.planner.LayerCost(
+      f"l{i}", forward_seconds=1.0, backward_seconds=2.0, input_bytes=8,
+      output_bytes=8, saved_bytes=8, forward_transient_bytes=0,
+      backward_transient_bytes=0, weight_grad_bytes=8) for i in range(3)]
+  Segment = tfremat.planner.Segment  # pylint: disable=invalid-name
+  chosen = tfremat.planner.Plan(costs, [
+      Segment(0, 1, True, None, True), Segment(1, 2, False),
+      Segment(2, 3, True, tfremat.policies.name_of(own))], ordered=True)
+  monkeypatch.setattr(tfremat.chain, "checked_plan",
+                      lambda *args, **kwargs: chosen)
+  b = _b()
+  stack = b._RematerializeSeq(
+      "stack", None, *[b._Block(f"block{i}", 8) for i in range(3)],
+      budget="50%", sample_input=_x(4, 8), policies=[own]).Instantiate()
+  assert stack.plan is chosen
+  layer = stack.chain
+  assert layer.ordered and layer.gated
+  assert [s.nested for s in layer.segments] == [True, False, False]
+  assert layer.segments[2].policy is own
+  y = stack(_x(4, 8), training=True)
+  assert y.shape == (4, 8)
