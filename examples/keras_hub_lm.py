@@ -14,6 +14,13 @@ strings, `generate()`, `save` and its config work as they do without
 rematerialization.
 """
 
+import os
+
+# TensorFlow prints its start-up lines (CPU features, CUDA drivers looked
+# for) when it is imported; this example prints its own results only.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 import string
 
 from absl import app

@@ -10,6 +10,13 @@ previous two. Prints the loss as it goes down, then the training step's peak
 memory with and without the wrapper.
 """
 
+import os
+
+# TensorFlow prints its start-up lines (CPU features, CUDA drivers looked
+# for) when it is imported; this example prints its own results only.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app
 from absl import flags
 import keras

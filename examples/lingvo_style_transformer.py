@@ -9,6 +9,13 @@ it with `model.fit` on sequences it generates itself (each counts up by a
 random stride modulo the vocabulary), printing the loss.
 """
 
+import os
+
+# TensorFlow prints its start-up lines (CPU features, CUDA drivers looked
+# for) when it is imported; this example prints its own results only.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app
 from absl import flags
 import keras

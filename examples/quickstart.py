@@ -7,6 +7,13 @@ rematerialization, from the same weights and dropout seeds, and prints the
 loss curve and the training step's peak memory for both.
 """
 
+import os
+
+# TensorFlow prints its start-up lines (CPU features, CUDA drivers looked
+# for) when it is imported; this example prints its own results only.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app
 from absl import flags
 import keras

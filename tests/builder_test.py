@@ -11,6 +11,7 @@ import tensorflow as tf
 import tfremat
 from tfremat import measure
 from tfremat import builder
+from tfremat._src.planning import chain_plan
 from conftest import DEVICE_MODES, assert_trees_close, compile_step
 
 
@@ -274,8 +275,8 @@ def test_a_budget_stack_runs_the_plan_as_it_was_measured(monkeypatch):
   Segment = tfremat.planner.Segment  # pylint: disable=invalid-name
   chosen = tfremat.planner.Plan(costs, [
       Segment(0, 1, True, None, True), Segment(1, 2, False),
-      Segment(2, 3, True, tfremat.policies.name_of(own))], ordered=True)
-  monkeypatch.setattr(tfremat.chain, "checked_plan",
+      Segment(2, 3, True, own)], ordered=True)
+  monkeypatch.setattr(chain_plan, "checked_plan",
                       lambda *args, **kwargs: chosen)
   b = _b()
   stack = b._RematerializeSeq(

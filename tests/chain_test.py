@@ -17,9 +17,12 @@ from tfremat import chain
 from tfremat import measure
 from tfremat import models
 from tfremat import planner
-from tfremat._src import chain_layers
-from tfremat._src import chain_measure
-from tfremat._src import cost_model
+from tfremat import policies
+from tfremat._src.keras_api import chain_layers
+from tfremat._src.planning import chain_measure
+from tfremat._src.planning import chain_plan
+from tfremat._src.planning import measure as measure_lib
+from tfremat._src.planning import cost_model
 from conftest import DEVICE_MODES, assert_parity, assert_trees_close
 from conftest import random_costs, sample_chain
 
@@ -261,7 +264,7 @@ def test_an_unreachable_fraction_names_the_lowest_and_what_dominates_it(
     raise AssertionError("a layer was measured for a budget out of reach")
 
   measured_peaks, chain_measure_layer = chain.measure_peaks, chain.measure_layer
-  monkeypatch.setattr(chain, "measure_peaks", measure_peaks)
+  monkeypatch.setattr(chain_plan, "measure_peaks", measure_peaks)
   monkeypatch.setattr(chain_measure, "measure_layer", measure_layer)
   with pytest.raises(ValueError, match=(
       r"(?s)budget of 35% of the keep-everything peak.*the lowest bound any "
@@ -294,7 +297,7 @@ def _measured_on_a_fake_clock(monkeypatch, dropout, names):
     timed.extend(fns)
     return [1.0, 2.0] + [10.0 * (i + 1) for i in range(len(fns) - 2)]
 
-  monkeypatch.setattr(measure, "median_seconds", fake_median_seconds)
+  monkeypatch.setattr(measure_lib, "median_seconds", fake_median_seconds)
   block = models.residual_mlp(1, 16, dropout=dropout, residual_inside=True)[0]
   x = tf.random.stateless_normal([8, 16], seed=[4, 4])
   cost, _ = chain.measure_layer(block, x, repeats=3, policies=names)
@@ -310,17 +313,19 @@ def test_policies_keeping_the_same_tensors_share_one_timing(monkeypatch):
   names = ("masks_saveable", "masks_and_softmax_saveable",
            "dots_and_masks_saveable")
   cost, timed = _measured_on_a_fake_clock(monkeypatch, 0.3, names)
-  masks, masks_softmax, dots = (cost.policy_costs[n] for n in names)
+  masks, masks_softmax, dots = (cost.policy_costs[policies.get(n)]
+                                for n in names)
   assert len(timed) == 4  # forward, plain step, masks, dots.
   assert masks == masks_softmax
   assert masks[1] == 10.0 - 2.0 and dots[1] == 20.0 - 2.0
   assert dots[0] > masks[0]
   # The printout names what each policy keeps of this layer: a softmax
   # policy keeps no softmax of a block that has none.
-  assert [cost.policy_keeps[n] for n in names] == ["masks", "masks",
+  assert [cost.policy_keeps[policies.get(n)] for n in names] == [
+      "masks", "masks",
                                                    "dots+masks"]
-  plan = planner.Plan([cost], [planner.Segment(0, 1, True,
-                                               "masks_and_softmax_saveable")])
+  plan = planner.Plan([cost], [planner.Segment(
+      0, 1, True, policies.masks_and_softmax_saveable)])
   assert "remat 0, keeps masks" in str(plan) and "softmax" not in str(
       plan).split("\n")[1], str(plan)
 
@@ -334,9 +339,10 @@ def test_a_policy_keeping_nothing_of_a_layer_costs_a_full_recompute(
   names = ("masks_saveable", "dots_saveable")
   cost, timed = _measured_on_a_fake_clock(monkeypatch, 0.0, names)
   assert len(timed) == 3  # forward, plain step, dots.
-  assert cost.policy_costs["masks_saveable"] == [0, cost.forward_seconds]
-  assert cost.policy_costs["dots_saveable"][1] == 10.0 - 2.0
-  assert cost.policy_keeps["masks_saveable"] == "nothing"
+  assert cost.policy_costs[policies.masks_saveable] == [
+      0, cost.forward_seconds]
+  assert cost.policy_costs[policies.dots_saveable][1] == 10.0 - 2.0
+  assert cost.policy_keeps[policies.masks_saveable] == "nothing"
 
 
 @pytest.mark.parametrize("model", ["mlp", "transformer"])
@@ -353,7 +359,7 @@ def test_budgets_hold_when_measured(model):
   names = (("dots_with_no_batch_dims_and_masks_saveable",)
            if model == "transformer" else ())
   costs = chain.measure_chain(blocks, x, policies=names)
-  assert cost_model.segment_policies(costs) == names
+  assert cost_model.segment_policies(costs) == tuple(map(policies.get, names))
   # Two budgets that make the planner rematerialize much of these short
   # chains (below about 50%, no plan's bound, reserve included, fits
   # them). Short chains keep the suite under 10 minutes.
@@ -363,7 +369,7 @@ def test_budgets_hold_when_measured(model):
     # The planner's own check: its plan's bound for later calls.
     assert chosen.measured.bound_bytes <= budget, (fraction, str(chosen))
     # Measured again, on a fresh layer: every call within the budget.
-    later = chain.measure_peaks(chain.apply_plan(blocks, chosen, names), x)
+    later = chain.measure_peaks(chain.apply_plan(blocks, chosen), x)
     assert max(later) <= budget, (fraction, later, budget, str(chosen))
     assert any(chosen.rematerialized)
   # A budget over the measured peak by more than its spread and the
@@ -424,7 +430,7 @@ def test_bad_budgets_fail_before_anything_is_measured(
     raise AssertionError("measured before the budget was checked")
 
   monkeypatch.setattr(chain_measure, "measure_layer", measured)
-  monkeypatch.setattr(chain, "measure_peaks", measured)
+  monkeypatch.setattr(chain_plan, "measure_peaks", measured)
   blocks = models.residual_mlp(2, 4, dropout=0.0, residual_inside=True)
   with pytest.raises(error, match=match):
     tfremat.remat_sequential(blocks, budget=given,
@@ -436,7 +442,7 @@ def test_bad_budgets_fail_before_anything_is_measured(
 def test_checked_plan_shows_progress_without_escape_codes_in_a_log(
     monkeypatch, capsys):
   costs = random_costs(np.random.default_rng(6), 8)
-  monkeypatch.setattr(chain, "measure_peaks", lambda layer, x, calls, **_: [
+  monkeypatch.setattr(chain_plan, "measure_peaks", lambda layer, x, calls, **_: [
       int(planner.predict(costs, layer.segments)[0])])
   layers = [keras.layers.Identity() for _ in costs]
   budget = 0.5
@@ -489,7 +495,7 @@ def test_identical_layers_are_measured_once_and_share_their_costs(
   assert [c.name for c in costs] == [l.name for l in blocks + [other]]
   first = dataclasses.replace(costs[0], name="")
   assert all(dataclasses.replace(c, name="") == first for c in costs[1:4])
-  assert chain.structure_key(blocks[0], x) != chain.structure_key(
+  assert chain_measure.structure_key(blocks[0], x) != chain_measure.structure_key(
       blocks[0], x[:16])
 
 
@@ -597,7 +603,7 @@ def test_one_executor_thread_is_read_from_config_environment_or_cpus(
 def test_an_ordered_chain_runs_in_the_executors_order_on_one_thread(
     monkeypatch):
   # One inter-op thread keeps one order by itself; the chain's own order
-  # then only raised peaks (docs/benchmarks.md, "With one inter-op thread").
+  # then only raised peaks.
   blocks = models.residual_mlp(3, 64, dropout=0.0, residual_inside=True)
   x = tf.zeros([2048, 64])  # 512 KiB activations: large enough to order.
   layer = tfremat.RematSequential(blocks, [(0, 1, True), (1, 3, True)],
@@ -632,7 +638,7 @@ def test_an_ordered_chains_backward_ops_are_not_colocated(monkeypatch):
 _GELU_CHAIN = """
 import keras, tensorflow as tf, tfremat
 from tfremat import chain, planner
-from tfremat._src import chain_layers
+from tfremat._src.keras_api import chain_layers
 chain_layers._one_executor_thread = lambda: False  # Order, as on several CPUs.
 keras.utils.set_random_seed(0)
 gelu = lambda h: keras.activations.gelu(h, approximate=True)
@@ -678,7 +684,7 @@ def test_the_planner_takes_policies_by_value_and_a_users_own():
           tfremat.policies.save_only_these_names("attention_scores"))
   layer = tfremat.remat_sequential(blocks, budget=0.5, sample_input=x,
                                    verbose=0, policies=[mine])
-  assert list(layer.plan.costs[0].policy_costs) == [mine.name]
+  assert list(layer.plan.costs[0].policy_costs) == [mine]
   used = [s.policy for s in layer.segments if s.remat and s.policy]
   assert all(p == mine for p in used), layer.segments
   assert_parity(lambda remat, h: (layer if remat else keras.Sequential(
@@ -686,3 +692,27 @@ def test_the_planner_takes_policies_by_value_and_a_users_own():
                 "/CPU:0", state=layer.variables)
   again = tfremat.RematSequential.from_config(layer.get_config())
   assert again.segments == layer.segments
+
+
+def test_a_budget_above_keeping_everything_keeps_everything():
+  # The reserve is 5% of a plan's own peak: a budget at 1.2x keeping
+  # everything's measured peak buys no recompute.
+  blocks, x = sample_chain("tanh")
+  keep = chain.measure_peak(tfremat.RematSequential(
+      blocks, planner.keep_all(len(blocks)), gated=True), x,
+                            calls=planner.DEFAULT_SETTINGS.check_calls)
+  layer = tfremat.remat_sequential(blocks, budget=int(1.2 * keep),
+                                   sample_input=x, verbose=0)
+  assert not any(layer.plan.rematerialized), str(layer.plan)
+
+
+def test_a_budget_at_115_percent_of_the_lowest_plan_is_planned():
+  # A budget the lowest plan meets with 15% to spare is planned, not
+  # refused: its bound adds its calls' spread and 5%, not 35%.
+  blocks, x = sample_chain("mlp")
+  with pytest.raises(tfremat.errors.BudgetUnreachableError) as refused:
+    tfremat.remat_sequential(blocks, budget=0.05, sample_input=x, verbose=0)
+  lowest = min(t.measured.peak_bytes for t in refused.value.search.trials)
+  layer = tfremat.remat_sequential(blocks, budget=int(1.15 * lowest),
+                                   sample_input=x, verbose=0)
+  assert layer.plan.measured.bound_bytes <= int(1.15 * lowest)

@@ -9,7 +9,9 @@ import tfremat
 from tfremat import chain
 from tfremat import measure
 from tfremat import planner
-from tfremat._src import search
+from tfremat._src.keras_api import chain_layers
+from tfremat._src.planning import chain_plan
+from tfremat._src.planning import search
 from conftest import DEVICE_MODES, assert_parity, random_costs
 
 
@@ -82,7 +84,7 @@ def test_the_planner_nests_layers_with_composite_layers_of_their_own():
   # attention has layers of its own: keras_hub_test). A chain of single
   # layers (a convolution, its normalization, its activation) keeps little
   # inside each beyond its input, which the plain rerun holds anyway.
-  from tfremat._src import in_place  # pylint: disable=g-import-not-at-top
+  from tfremat._src.keras_api import in_place  # pylint: disable=g-import-not-at-top
   mlp = lambda: keras.Sequential([keras.layers.Dense(8, activation="gelu"),
                                   keras.layers.Dense(4)])
   assert in_place.can_nest(keras.Sequential([mlp(), mlp()]))
@@ -95,8 +97,8 @@ def test_the_planner_nests_layers_with_composite_layers_of_their_own():
   x = keras.Input((16,))
   block = keras.Sequential([mlp(), mlp()])
   unit = keras.Model(x, block(x))
-  assert chain.nest_target(unit) is block
-  assert chain.nest_target(chain.ContextUnit(unit, [])) is block
+  assert chain_layers.nest_target(unit) is block
+  assert chain_layers.nest_target(chain.ContextUnit(unit, [])) is block
 
 
 def test_nested_leaves_layers_named_themselves_to_their_own_undo():
@@ -394,7 +396,7 @@ def test_every_budget_goes_through_the_planners_one_search(monkeypatch):
   assert not chosen.layers and searched == [(0, False)]
   assert chosen.search.chosen.key == (0, False)
   costs = random_costs(np.random.default_rng(6), 3)
-  monkeypatch.setattr(chain, "measure_peaks", lambda layer, x, calls, **_: [
+  monkeypatch.setattr(chain_plan, "measure_peaks", lambda layer, x, calls, **_: [
       int(planner.predict(costs, layer.segments)[0])])
   layers = [keras.layers.Identity() for _ in costs]
   chain.checked_plan(layers, 0.8, None, costs=costs)

@@ -13,7 +13,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tfremat"
 
 
 def _module_name(path):
-  """"_src.remat" for tfremat/_src/remat.py; "lingvo" for its __init__; the
+  """"_src.remat" for tfremat/_src/core/remat.py; "lingvo" for its __init__; the
   package's own __init__ is "__init__"."""
   parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
   if parts[-1] == "__init__" and len(parts) > 1:
@@ -93,35 +93,58 @@ def test_a_cycle_is_found():
   assert _cycle({"a": {"b"}, "b": set()}) is None
 
 
+# The public modules users import; each is a thin re-export of _src.
+PUBLIC = {"chain", "measure", "planner", "policies"}
+# Programs and the Lingvo-style API built on the library (they may import
+# the public modules); errors is the leaf every module may raise from.
+TOP = {"bench", "max_batch", "models"}
+
+
 def test_each_idea_sits_at_its_level():
   graph = _imports()
   assert graph["errors"] == set()  # Every module may raise them.
   deps = {m: found - {"errors"} for m, found in graph.items()}
-  assert deps["measure"] == set()  # The bottom: used by all who measure.
-  # Pure: computes, and measures only through the function it is given;
-  # its segments carry policies (values).
-  planning = {"_src.cost_model", "_src.plan", "_src.plan_text",
-              "_src.search", "_src.units"}
-  assert deps["planner"] <= planning
-  assert deps["_src.search"] <= planning
-  assert deps["_src.plan"] <= planning
-  assert deps["_src.cost_model"] <= {"policies", "_src.units"}
-  assert deps["_src.plan_text"] <= {"policies", "_src.cost_model",
-                                    "_src.units"}
-  assert deps["policies"] == set()  # Pure functions of an op's description.
-  assert deps["_src.watch"] == set()  # The one op callback, below its users.
-  assert deps["_src.selective"] <= {"policies", "_src.watch"}  # Keeping.
-  assert "_src.selective" in deps["_src.remat"]
-  assert deps["_src.layers"] <= {"_src.hyperparams", "policies", "_src.remat"}
-  assert "chain" not in deps["_src.layers"] | deps["planner"]
-  # A chain's layers run; its measuring measures them; chain.py plans.
-  assert "_src.chain_measure" not in deps["_src.chain_layers"]
-  assert "chain" not in deps["_src.chain_layers"] | deps["_src.chain_measure"]
-  top = {"bench", "max_batch", "models"}
-  lingvo = {m for m in graph if m.split(".")[0] == "lingvo"}
-  library = set(graph) - top - lingvo - {"__init__"}
+  internal = {m for m in graph if m.startswith("_src.")}
+  # _src imports no public module: the folders show the layers.
+  leaks = {m: sorted(deps[m] - internal) for m in internal
+           if deps[m] - internal}
+  assert not leaks, leaks
+  # Three groups: the rerun core below; Keras integration on it; planning
+  # on both. The core imports neither.
+  group = lambda m: m.split(".")[1] if m.count(".") > 1 else "_src"
+  core = {m for m in internal if group(m) == "core"}
+  assert core and all(group(d) in ("core", "_src") for m in core
+                      for d in deps[m]), {m: deps[m] for m in core}
+  # The planner's search is pure: it measures only through the function it
+  # is given.
+  pure = {"_src.planning.cost_model", "_src.planning.plan",
+          "_src.planning.plan_text", "_src.planning.search", "_src.units",
+          "_src.core.policies"}
+  for module in pure - {"_src.core.policies"}:
+    assert deps[module] <= pure, (module, deps[module])
+  assert deps["_src.core.policies"] == set()  # Functions of an op's record.
+  assert deps["_src.core.watch"] == set()  # The one op callback.
   assert not any(graph[m] & {"bench"} for m in graph), graph
-  assert not any(graph[m] & (top | lingvo) for m in library), graph
+  lingvo = {m for m in graph if m.split(".")[0] == "lingvo"}
+  library = set(graph) - TOP - lingvo - {"__init__"}
+  assert not any(graph[m] & (TOP | lingvo) for m in library), graph
+
+
+def test_public_modules_are_thin_and_export_only_what_users_call():
+  for name in PUBLIC:
+    tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+    defined = [n.name for n in tree.body
+               if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    assert not defined, (name, defined)
+  import tfremat  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  for name, most in (("chain", 12), ("planner", 14), ("measure", 13)):
+    assert len(getattr(tfremat, name).__all__) <= most, name
+
+
+def test_no_module_is_over_600_lines():
+  long = {m: len(p.read_text().splitlines()) for m, p in _modules().items()
+          if m != "bench" and len(p.read_text().splitlines()) > 600}
+  assert not long, long
 
 
 def test_users_never_need_the_internals():
@@ -132,7 +155,8 @@ def test_users_never_need_the_internals():
            *sorted((root / "examples").glob("*.py"))]
   assert not [p.name for p in pages if "tfremat._src" in p.read_text()]
   internal = {m for m in _modules() if m.split(".")[0] == "_src"}
-  assert {"_src.remat", "_src.state", "_src.selective", "_src.watch"} <= internal
+  assert {"_src.core.remat", "_src.core.keras_state",
+          "_src.core.selective", "_src.core.watch"} <= internal
 
 
 def test_every_module_says_what_it_exports():
@@ -172,9 +196,9 @@ _OLD_PATHS = textwrap.dedent("""
       again = tfremat.remat
       from tfremat import state, step_seed
       found["same"] = [
-          tfremat.remat is tfremat._src.remat is again,
+          tfremat.remat is tfremat._src.core.remat is again,
           chain_units is tfremat.chain_units,
-          state is tfremat._src.state,
+          state is tfremat._src.core.keras_state,
           step_seed.GetStepSeed is tfremat.lingvo.GetStepSeed,
           importlib.import_module("tfremat.builder_layers")
           is tfremat.lingvo.builder_layers,

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from tfremat import errors
+from tfremat import policies
 from tfremat import planner
-from tfremat._src import cost_model
-from tfremat._src import search
+from tfremat._src.planning import cost_model
+from tfremat._src.planning import search
 from tfremat.planner import Segment
 from conftest import random_costs
 
@@ -84,7 +85,7 @@ def test_policy_plans_are_the_fastest_by_exhaustive_search(seed):
   # Per segment: keep, rematerialize fully, or under each policy.
   rng = np.random.default_rng(100 + seed)
   n = int(rng.integers(2, 6))
-  names = ("dots_saveable", "masks_saveable")
+  names = (policies.dots_saveable, policies.masks_saveable)
   costs = _with_policies(rng, random_costs(rng, n), names)
   assert cost_model.segment_policies(costs) == names
   plans = list(_all_plans(n, policies=names))
@@ -868,3 +869,11 @@ def test_settings_are_a_printable_value_with_the_shipped_defaults():
   assert "reserve 10% of a plan's peak" in text and "20 calls" in text
   with pytest.raises(AttributeError):
     planner.DEFAULT_SETTINGS.reserve = 0.5
+
+
+def test_the_measuring_functions_of_0_1_still_work_with_a_warning():
+  from tfremat import chain  # pylint: disable=g-import-not-at-top
+  with pytest.warns(DeprecationWarning, match="tfremat.chain.measure_chain"):
+    assert planner.measure_chain is chain.measure_chain
+  with pytest.raises(AttributeError):
+    planner.ALLOCATOR_MARGIN  # pylint: disable=pointless-statement

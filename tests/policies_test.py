@@ -21,8 +21,8 @@ import tensorflow as tf
 import tfremat
 from tfremat import models
 from tfremat import policies
-from tfremat._src import selective
-from tfremat._src import residuals
+from tfremat._src.core import selective
+from tfremat._src.core import residuals
 from conftest import assert_parity, assert_trees_close, device_modes
 
 # Policies act in graphs; eager calls keep nothing (tested below once).
@@ -398,14 +398,14 @@ def test_batch_dims_tell_attention_scores_from_projections():
 def test_eager_calls_keep_nothing_and_stay_exact():
   block, weights, variables = _mlp_block()
   calls = []
-  tfremat._src.remat._observers.append(calls)  # pylint: disable=protected-access
+  tfremat._src.core.remat._observers.append(calls)  # pylint: disable=protected-access
   try:
     assert_parity(
         lambda remat, x: (tfremat.RematerializeFn(block, x, policy="dots_saveable")
                           if remat else block(x)),
         (_x(6, 8),), weights, "eager", "/CPU:0", state=variables)
   finally:
-    tfremat._src.remat._observers.remove(calls)  # pylint: disable=protected-access
+    tfremat._src.core.remat._observers.remove(calls)  # pylint: disable=protected-access
   assert calls and all(c.saver is None for c in calls)
 
 
@@ -500,12 +500,13 @@ def test_remat_sequential_segments_carry_their_policy(tmp_path):
       blocks, [(0, 2, True, "dots_saveable"), (2, 3, False), (3, 4, True)])
   remats = [s for s in layer.steps
             if isinstance(s, tfremat.RematerializationLayer)]
-  assert [r.policy for r in remats] == ["dots_saveable", None]
+  # Names are parsed once, into values.
+  assert [r.policy for r in remats] == [policies.dots_saveable, None]
   config = layer.get_config()
   assert config["segments"][0] == [0, 2, True, "dots_saveable"]
   uniform = tfremat.remat_sequential(blocks, segments=2,
                                      policy="masks_saveable")
-  assert all(s.policy == "masks_saveable" for s in uniform.steps)
+  assert all(s.policy == policies.masks_saveable for s in uniform.steps)
   path = str(tmp_path / "chain.keras")
   keras.Sequential([keras.Input((8,)), layer]).save(path)
   loaded = keras.models.load_model(path).layers[0]

@@ -21,9 +21,9 @@ import tensorflow as tf
 import tfremat
 from tfremat import measure
 from tfremat import models
-from tfremat._src.remat_model import RematerializeActivation
-from tfremat._src.remat_model import chain_units
-from tfremat._src.remat_model import remat_model
+from tfremat._src.keras_api.remat_model import RematerializeActivation
+from tfremat._src.keras_api.remat_model import chain_units
+from tfremat._src.keras_api.remat_model import remat_model
 from conftest import DEVICES, FeedForward, assert_parity
 from conftest import assert_serves_without_tfremat
 from conftest import assert_trees_close
@@ -132,7 +132,8 @@ def test_a_policy_applies_to_every_unit_and_stays_exact(name):
   # The CNN's layers are grouped into segments of one RematSequential.
   units += [step for l in rematerialized.layers
             if isinstance(l, tfremat.RematSequential) for step in l.steps]
-  assert units and all(u.policy == "dots_saveable" for u in units)
+  assert units and all(u.policy == tfremat.policies.dots_saveable
+                       for u in units)
   assert_parity(lambda remat, inputs: (rematerialized if remat else model)(
       inputs, training=True), (x,), model.trainable_weights, "function",
                 "/CPU:0", state=model.variables)

@@ -13,7 +13,7 @@ import tensorflow as tf
 import tfremat
 from tfremat import chain
 from tfremat import measure
-from tfremat._src import remat as remat_lib
+from tfremat._src.core import remat as remat_lib
 from conftest import DEVICE_MODES, FeedForward, assert_parity
 from conftest import assert_trees_close, remat_modes_off
 from conftest import scoped_or_plain

@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 import tfremat
-from tfremat._src import remat as remat_lib
+from tfremat._src.core import remat as remat_lib
 from conftest import DEVICE_MODES, DEVICES, MODES
 from conftest import assert_parity, assert_trees_close, compile_step, snapshot
 from conftest import training_step as _step

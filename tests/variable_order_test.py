@@ -24,8 +24,8 @@ from tensorflow.python.grappler import tf_optimizer
 from tensorflow.python.training import saver as saver_lib
 
 import tfremat
-from tfremat._src import forward_ops
-from tfremat._src import state
+from tfremat._src.core import forward_ops
+from tfremat._src.core import unreplayable
 from conftest import DEVICES
 
 
@@ -57,13 +57,13 @@ def _reads_after_writes(step, *args):
     fetch.append(t.name)
   before = {n.name: n for n in graph_def.node}
   for node in graph_def.node:
-    if state._is_variable_write(node.op):
+    if unreplayable._is_variable_write(node.op):
       fetch.append(node.name)
   optimized = tf_optimizer.OptimizeGraph(config_pb2.ConfigProto(), meta_graph)
   after = {n.name: n for n in optimized.node}
   assert len(after) < len(before)  # Grappler did run.
   found = []
-  for write in (n for n in graph_def.node if state._is_variable_write(n.op)):
+  for write in (n for n in graph_def.node if unreplayable._is_variable_write(n.op)):
     ordered = _ancestors(before, write.name)
     still = _ancestors(after, write.name)
     for name in ordered:

@@ -11,8 +11,9 @@
   python -m tfremat.bench --whole_models all   # remat_model on real models
   python -m tfremat.bench --max_batch 512MiB   # the largest batch that fits
 
-TensorFlow's start-up lines are silenced unless --verbosity is given (e.g.
---verbosity=0).
+The tables go to standard output; TensorFlow's start-up lines (CPU
+features, CUDA drivers looked for) go to standard error, and
+TF_CPP_MIN_LOG_LEVEL=2 in the environment silences them.
 
 Every method runs in one process on the same model, weights, batch and
 dropout seeds:
@@ -69,6 +70,7 @@ from tfremat import measure
 from tfremat import models
 from tfremat import planner
 from tfremat import policies
+from tfremat._src.planning import chain_plan
 
 __all__ = [
     "main",
@@ -119,7 +121,7 @@ def define_flags():
   flags.DEFINE_enum("policy", None, sorted(policies.BUILT_IN),
                     "The save policy of the tfremat methods (default: "
                     "none, everything is recomputed).")
-  flags.DEFINE_list("planner_policies", list(policies.PLANNED),
+  flags.DEFINE_list("planner_policies", [p.name for p in policies.PLANNED],
                     "The save policies the planner may choose per segment "
                     "(empty: recompute fully or keep).")
   flags.DEFINE_float("budget_fraction", None,
@@ -311,7 +313,7 @@ def _schemes_and_plans(fractions, progress):
     # (shared by the fractions here) and this fraction's checked plan.
     run(f"planner {fraction:.0%}", "planner", chosen.segments, fraction,
         costs_seconds + time.perf_counter() - start,
-        chain.apply_plan(blocks, chosen, names))
+        chain.apply_plan(blocks, chosen))
   _add_times(rows, steps, x)
   mark_dominated(rows)
   for r in rows:
@@ -341,7 +343,7 @@ def mark_dominated(rows):
 
 def _planner_policies():
   try:
-    return chain.planned_policies(n for n in FLAGS.planner_policies if n)
+    return chain_plan.planned_policies(n for n in FLAGS.planner_policies if n)
   except ValueError as e:
     raise app.UsageError(f"--planner_policies: {e}") from e
 

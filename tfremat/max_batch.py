@@ -41,7 +41,7 @@ from tfremat import measure
 from tfremat import models
 from tfremat import planner
 from tfremat import policies
-from tfremat._src import batch_fit
+from tfremat._src.planning import batch_fit
 
 __all__ = [
     "Method",

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from tfremat import errors
 
-from tfremat._src.layers import RematerializationLayer
+from tfremat._src.keras_api.layers import RematerializationLayer
 
 __all__ = [
     "residual_mlp",

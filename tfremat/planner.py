@@ -23,20 +23,21 @@ fastest that fits; its `Settings` are one value, and its `Search` record
 says what it measured and why (docs/design.md, "How the planner chooses").
 """
 
-from tfremat._src.cost_model import Budget
-from tfremat._src.cost_model import LayerCost
-from tfremat._src.cost_model import Segment
-from tfremat._src.cost_model import keep_all
-from tfremat._src.cost_model import predict
-from tfremat._src.cost_model import uniform_segments
-from tfremat._src.plan import Measured
-from tfremat._src.plan import Plan
-from tfremat._src.plan import plan
-from tfremat._src.plan_text import LEGEND
-from tfremat._src.search import DEFAULT_SETTINGS
-from tfremat._src.search import Search
-from tfremat._src.search import Settings
-from tfremat._src.search import Trial
+from tfremat._src import moved
+from tfremat._src.planning.cost_model import Budget
+from tfremat._src.planning.cost_model import LayerCost
+from tfremat._src.planning.cost_model import Segment
+from tfremat._src.planning.cost_model import keep_all
+from tfremat._src.planning.cost_model import predict
+from tfremat._src.planning.cost_model import uniform_segments
+from tfremat._src.planning.plan import Measured
+from tfremat._src.planning.plan import Plan
+from tfremat._src.planning.plan import plan
+from tfremat._src.planning.plan_text import LEGEND
+from tfremat._src.planning.search import DEFAULT_SETTINGS
+from tfremat._src.planning.search import Search
+from tfremat._src.planning.search import Settings
+from tfremat._src.planning.search import Trial
 
 __all__ = [
     "Plan",
@@ -54,3 +55,7 @@ __all__ = [
     "uniform_segments",
     "LEGEND",
 ]
+
+
+# tfremat 0.1.0's planner.measure_chain and siblings, with a warning.
+__getattr__ = moved.planner_attribute

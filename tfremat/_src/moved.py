@@ -24,7 +24,8 @@ import warnings
 
 from tfremat import errors
 
-__all__ = ["ALIASES", "MOVED", "Finder", "attribute", "install", "target"]
+__all__ = ["ALIASES", "MOVED", "Finder", "attribute", "install", "target",
+           "planner_attribute"]
 
 _PACKAGE = "tfremat"
 
@@ -32,23 +33,23 @@ _PACKAGE = "tfremat"
 MOVED = {
     "builder_layers": ("lingvo.builder_layers", "tfremat.lingvo.builder_layers"
                        " (or tfremat.lingvo.layers)"),
-    "in_place": ("_src.in_place", "tfremat.remat_in_place and its siblings"),
-    "layers": ("_src.layers", "tfremat.RematerializationLayer"),
-    "remat": ("_src.remat", "tfremat.RematerializeFn, tfremat.rematerialize"
+    "in_place": ("_src.keras_api.in_place", "tfremat.remat_in_place and its siblings"),
+    "layers": ("_src.keras_api.layers", "tfremat.RematerializationLayer"),
+    "remat": ("_src.core.remat", "tfremat.RematerializeFn, tfremat.rematerialize"
               " and tfremat.debug_reruns"),
-    "remat_model": ("_src.remat_model", "tfremat.remat_model and "
+    "remat_model": ("_src.keras_api.remat_model", "tfremat.remat_model and "
                     "tfremat.chain_units"),
-    "residuals": ("_src.residuals", "tfremat.saved_residuals"),
-    "selective": ("_src.selective", "tfremat.policies"),
-    "state": ("_src.state", "tfremat.RematerializeFn (the state it replays "
+    "residuals": ("_src.core.residuals", "tfremat.saved_residuals"),
+    "selective": ("_src.core.selective", "tfremat.policies"),
+    "state": ("_src.core.keras_state", "tfremat.RematerializeFn (the state it replays "
               "is internal)"),
-    "step_seed": ("_src.step_seed", "tfremat.lingvo.step_seed"),
-    "watch": ("_src.watch", "tfremat.RematerializeFn (how it watches "
+    "step_seed": ("_src.core.step_seed", "tfremat.lingvo.step_seed"),
+    "watch": ("_src.core.watch", "tfremat.RematerializeFn (how it watches "
               "variables is internal)"),
 }
 # Public module names of the package that live elsewhere (tfremat.__all__
 # lists them): served without a warning.
-ALIASES = {"builder": "lingvo.builder", "hyperparams": "_src.hyperparams"}
+ALIASES = {"builder": "lingvo.builder", "hyperparams": "_src.core.hyperparams"}
 
 _warned = set()
 _IMPORT_MACHINERY = (os.path.dirname(importlib.__file__), "<frozen ")
@@ -101,6 +102,24 @@ def attribute(old):
         f"module {_PACKAGE!r} has no attribute {old!r}")
   _warn(old)
   return importlib.import_module(target(old))
+
+
+# tfremat 0.1.0 measured chains in tfremat.planner; these are tfremat.chain's.
+_PLANNER_TO_CHAIN = ("measure_chain", "measure_layer", "measure_peak",
+                     "training_step")
+
+
+def planner_attribute(name):
+  """`tfremat.planner`'s module `__getattr__`: 0.1.0's measuring functions,
+  after a warning that names `tfremat.chain`'s."""
+  if name not in _PLANNER_TO_CHAIN:
+    raise errors.MissingAttributeError(
+        f"module 'tfremat.planner' has no attribute {name!r}")
+  warnings.warn(f"tfremat.planner.{name} is tfremat.chain.{name} since "
+                "tfremat 0.2; use that name.", DeprecationWarning,
+                stacklevel=2)
+  return getattr(importlib.import_module(
+      f"{_PACKAGE}._src.planning.chain_plan"), name)
 
 
 class _Loader(importlib.abc.Loader):

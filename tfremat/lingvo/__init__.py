@@ -14,7 +14,7 @@ paths `tfremat.builder_layers` and `tfremat.step_seed` still work, with a
 DeprecationWarning.
 """
 
-from tfremat._src.remat import RematerializeFn
+from tfremat._src.core.remat import RematerializeFn
 from tfremat.lingvo import builder_layers as layers
 from tfremat.lingvo.builder import Base
 from tfremat.lingvo.hyperparams import InstantiableParams

@@ -21,11 +21,11 @@ gradients.
 
 import inspect
 
-from tfremat import chain as chain_lib
+from tfremat._src.planning import chain_plan as chain_lib
 from tfremat import errors
-from tfremat import policies as policies_lib
-from tfremat._src.cost_model import uniform_segments
-from tfremat._src.layers import RematerializationLayer
+from tfremat._src.core import policies as policies_lib
+from tfremat._src.planning.cost_model import uniform_segments
+from tfremat._src.keras_api.layers import RematerializationLayer
 from tfremat.lingvo import builder_layers
 from tfremat.lingvo import hyperparams
 
@@ -124,7 +124,8 @@ class Base:
           "_RematerializeSeq: give either segments (an int or \"sqrt\") or "
           "budget with sample_input, not both or neither.")
     if segments is not None:
-      policies_lib.get(policy)
+      # The Params name the policy (they print and read back as text).
+      policy = policies_lib.name_of(policies_lib.parsed(policy))
       parts = []
       for i, seg in enumerate(uniform_segments(len(subs), segments)):
         seq = self._Seq(f"{name}_seg{i}", *subs[seg.start:seg.stop])
@@ -136,7 +137,7 @@ class Base:
     chosen = chain_lib.checked_plan([p.Instantiate() for p in subs], budget,
                                     sample_input, policies=policies)
     return self._Layer(builder_layers.PlannedSeqLayer, name, sub=list(subs),
-                       plan=chosen, policies=tuple(policies))
+                       plan=chosen)
 
   def _Linear(self, name, idims, odims):
     """x @ w, a weight matrix and no bias."""

@@ -11,8 +11,8 @@ import keras
 import tensorflow as tf
 
 from tfremat import errors
-from tfremat._src import hyperparams
-from tfremat._src import step_seed
+from tfremat._src.core import hyperparams
+from tfremat._src.core import step_seed
 
 __all__ = [
     "BaseLayer",
@@ -96,17 +96,14 @@ class PlannedSeqLayer(BaseLayer):
     p = super().Params()
     p.Define("sub", [], "Params of the sub-layers, applied in order.")
     p.Define("plan", None, "The tfremat.planner.Plan chosen for them.")
-    p.Define("policies", (), "The save policy values the plan's segments "
-             "may name.")
     return p
 
   def __init__(self, params):
     super().__init__(params)
     # pylint: disable-next=g-import-not-at-top
-    from tfremat._src.chain_layers import apply_plan
+    from tfremat._src.keras_api.chain_layers import apply_plan
     self.chain = apply_plan([sub.Instantiate() for sub in params.sub],
-                            params.plan, params.policies,
-                            name=f"{params.name}_chain")
+                            params.plan, name=f"{params.name}_chain")
 
   @property
   def plan(self):

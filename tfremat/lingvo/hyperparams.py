@@ -5,13 +5,13 @@
   p = Params()
   p.Define("dims", 512, "Model width.")
 
-The implementation lives in `tfremat._src.hyperparams`, beside the core that
+The implementation lives in `tfremat._src.core.hyperparams`, beside the core that
 configures `RematerializationLayer` with it; this module is its public name.
 """
 
-from tfremat._src.hyperparams import InstantiableParams
-from tfremat._src.hyperparams import IsInstantiable
-from tfremat._src.hyperparams import Params
+from tfremat._src.core.hyperparams import InstantiableParams
+from tfremat._src.core.hyperparams import IsInstantiable
+from tfremat._src.core.hyperparams import Params
 
 __all__ = [
     "InstantiableParams",

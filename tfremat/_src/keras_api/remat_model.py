@@ -23,15 +23,17 @@ import warnings
 import keras
 import tensorflow as tf
 
-from tfremat import chain as chain_lib
+from tfremat._src.keras_api import chain_layers
+from tfremat._src.planning import chain_measure
+from tfremat._src.planning import chain_plan as chain_lib
 from tfremat import errors
-from tfremat import policies as policies_lib
-from tfremat._src import model_chain
-from tfremat._src import remat
-from tfremat._src import search
-from tfremat._src.layers import RematerializationLayer
-from tfremat._src.layers import refuse_keras2
-from tfremat._src.model_chain import chain_units
+from tfremat._src.core import policies as policies_lib
+from tfremat._src.keras_api import model_chain
+from tfremat._src.core import remat
+from tfremat._src.planning import search
+from tfremat._src.keras_api.layers import RematerializationLayer
+from tfremat._src.keras_api.layers import refuse_keras2
+from tfremat._src.keras_api.model_chain import chain_units
 
 __all__ = [
     "remat_model",
@@ -268,7 +270,7 @@ def _by_mode(model, mode, output_size_threshold, layer_names, policy,
           "remat_model: policy= is for rematerialized layers; "
           "mode=\"activations\" recomputes activation functions only, "
           "which keep nothing worth a policy.")
-    policies_lib.get(policy)  # A bad policy is refused before anything is built.
+    policy = policies_lib.parsed(policy)  # Refused before anything is built.
   if sample_input is not None and mode != "larger_than":
     raise errors.InvalidArgumentError(
         "remat_model: sample_input is for budget= or mode=\"larger_than\", "
@@ -505,7 +507,7 @@ def _planned(model, budget, sample_input, policy_names, verbose, mode,
   planning = ModelPlanning(model)
   chosen = planning.plan(budget, sample_input, policy_names, verbose=verbose,
                          settings=settings or search.DEFAULT_SETTINGS)
-  return planning.model_with(chosen, policy_names)
+  return planning.model_with(chosen)
 
 
 class ModelPlanning:
@@ -539,7 +541,7 @@ class ModelPlanning:
     """While open, the units that read the chain's context (a padding mask,
     token ids) read `sample_input`'s, as they do when measured alone."""
     contexts = [u for u in self.parts.units
-                if isinstance(u, chain_lib.ContextUnit)]
+                if isinstance(u, chain_layers.ContextUnit)]
     sample_context = (keras.tree.flatten(self.parts.context_of(sample_input))
                       if self.parts.context else None)
     for unit in contexts:
@@ -553,7 +555,7 @@ class ModelPlanning:
   def measure_costs(self, sample_input, policies, settings):
     """The units' `LayerCost`s on `sample_input`."""
     with self.reading(sample_input):
-      return chain_lib.measure_chain(
+      return chain_measure.measure_chain(
           self.units, self.chain_input(sample_input), policies=policies,
           waiting_fraction=settings.waiting_fraction)
 
@@ -565,7 +567,7 @@ class ModelPlanning:
           self.units, budget, self.chain_input(sample_input),
           verbose=verbose, policies=policies, costs=costs, settings=settings)
 
-  def model_with(self, chosen, policies):
+  def model_with(self, chosen):
     """The model, its chain run as `chosen` says."""
-    return self.parts.model_with(chain_lib.apply_plan(
-        self.units, chosen, policies, name=f"{self.model.name}_chain"))
+    return self.parts.model_with(chain_layers.apply_plan(
+        self.units, chosen, name=f"{self.model.name}_chain"))

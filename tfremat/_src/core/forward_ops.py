@@ -12,9 +12,12 @@ from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops import gen_resource_variable_ops
 from tensorflow.python.ops import resource_variable_ops
 
-from tfremat._src import selective
-from tfremat._src import state
-from tfremat._src import watch
+from tfremat import errors
+from tfremat._src.core import selective
+from tfremat._src.core import op_types
+from tfremat._src.core import tapes
+from tfremat._src.core import unreplayable
+from tfremat._src.core import watch
 
 __all__ = [
     "ForwardOps",
@@ -81,11 +84,11 @@ class _Refuser(watch.Handler):
     if self._undoing:
       return outputs  # The write that undoes a refused draw.
     try:
-      state.check_op(op_type, op_name)
-    except state.UnreplayableOpError:
+      unreplayable.check_op(op_type, op_name)
+    except errors.UnreplayableOpError:
       self._undoing = True
       try:
-        state.undo_generator_draw(op_type, inputs, outputs)
+        unreplayable.undo_generator_draw(op_type, inputs, outputs)
       finally:
         self._undoing = False
       raise
@@ -164,7 +167,7 @@ class _FirstReads(watch.Handler):
     return [selective.in_graph(entry[1], graph)]
 
   def __enter__(self):
-    self.graph = state.running_graph()
+    self.graph = op_types.running_graph()
     return super().__enter__()
 
 
@@ -187,8 +190,8 @@ class _TapesAside:
     # A tape an enclosing forward pass set aside is out of the tape set
     # already: removing it again would drop a reference TensorFlow's tape
     # set holds, and free the tape while it is in use.
-    aside = state.thread_list("aside")
-    hidden = [t for t in state.thread_list("tapes")
+    aside = tapes.thread_list("aside")
+    hidden = [t for t in tapes.thread_list("tapes")
               if t._recording and not any(t is a for a in aside)]  # pylint: disable=protected-access
     for t in hidden:
       tape_lib.pop_tape(t._tape)  # pylint: disable=protected-access
@@ -197,7 +200,7 @@ class _TapesAside:
       # it cannot be set aside, and would record the block.
       for t in hidden:
         tape_lib.push_tape(t._tape)  # pylint: disable=protected-access
-      raise state.UnreplayableOpError(
+      raise errors.UnreplayableOpError(
           "The rematerialized function opens a tf.GradientTape while a "
           "gradient tape or forward accumulator that tfremat cannot set "
           "aside is recording (one opened before tfremat was imported, or "
@@ -212,7 +215,7 @@ class _TapesAside:
     self._open -= 1
     if self._open == 0:
       pywrap_tfe.TFE_Py_TapeSetStopOnThread()
-      aside = state.thread_list("aside")
+      aside = tapes.thread_list("aside")
       for t in self._hidden:
         tape_lib.push_tape(t._tape)  # pylint: disable=protected-access
         aside.remove(t)
@@ -251,7 +254,7 @@ class ForwardOps:
   """
 
   def __init__(self, inputs, debug=False):
-    self._types = state.OpTypes(debug)
+    self._types = op_types.OpTypes(debug)
     self._closures = _Closures(inputs)
     self._reads = _FirstReads(self._closures)
     self._handlers = [_Refuser(), self._types, self._closures, self._reads,
@@ -316,11 +319,11 @@ class ForwardOps:
     # leave their own.
     for handler in self._handlers:
       handler.__enter__()
-    state.thread_list("forwards").append(self)
+    tapes.thread_list("forwards").append(self)
     return self
 
   def __exit__(self, *args):
-    state.thread_list("forwards").pop()
+    tapes.thread_list("forwards").pop()
     for handler in reversed(self._handlers):
       handler.__exit__(*args)
 

@@ -6,15 +6,15 @@ import dataclasses
 import functools
 
 from tfremat import errors
-from tfremat._src import plan_text
-from tfremat._src.cost_model import Budget
-from tfremat._src.cost_model import LayerCost
-from tfremat._src.cost_model import Segment
-from tfremat._src.cost_model import check_segments
-from tfremat._src.cost_model import fastest
-from tfremat._src.cost_model import keep_all
-from tfremat._src.cost_model import predict
-from tfremat._src.cost_model import smallest_budget
+from tfremat._src.planning import plan_text
+from tfremat._src.planning.cost_model import Budget
+from tfremat._src.planning.cost_model import LayerCost
+from tfremat._src.planning.cost_model import Segment
+from tfremat._src.planning.cost_model import check_segments
+from tfremat._src.planning.cost_model import fastest
+from tfremat._src.planning.cost_model import keep_all
+from tfremat._src.planning.cost_model import predict
+from tfremat._src.planning.cost_model import smallest_budget
 
 __all__ = [
     "Measured",

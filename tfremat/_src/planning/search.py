@@ -16,16 +16,16 @@ import functools
 import math
 
 from tfremat import errors
-from tfremat._src import cost_model
+from tfremat._src.planning import cost_model
 from tfremat._src import units
-from tfremat._src.cost_model import Budget
-from tfremat._src.cost_model import keep_all
-from tfremat._src.cost_model import predict
-from tfremat._src.cost_model import uniform_segments
-from tfremat._src.plan import Infeasible
-from tfremat._src.plan import Measured
-from tfremat._src.plan import Plan
-from tfremat._src.plan import plan as plan_for
+from tfremat._src.planning.cost_model import Budget
+from tfremat._src.planning.cost_model import keep_all
+from tfremat._src.planning.cost_model import predict
+from tfremat._src.planning.cost_model import uniform_segments
+from tfremat._src.planning.plan import Infeasible
+from tfremat._src.planning.plan import Measured
+from tfremat._src.planning.plan import Plan
+from tfremat._src.planning.plan import plan as plan_for
 
 __all__ = [
     "Settings",

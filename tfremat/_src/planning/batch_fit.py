@@ -20,19 +20,19 @@ import numpy as np
 import tensorflow as tf
 
 from tfremat import errors
-from tfremat import measure
-from tfremat import policies as policies_lib
-from tfremat._src import chain_layers
-from tfremat._src import chain_measure
-from tfremat._src import cost_model
-from tfremat._src import in_place
-from tfremat._src import layers as layers_lib
-from tfremat._src import search
+from tfremat._src.planning import measure
+from tfremat._src.core import policies as policies_lib
+from tfremat._src.keras_api import chain_layers
+from tfremat._src.planning import chain_measure
+from tfremat._src.planning import cost_model
+from tfremat._src.keras_api import in_place
+from tfremat._src.keras_api import layers as layers_lib
+from tfremat._src.planning import search
 from tfremat._src import units
-from tfremat._src.cost_model import Budget
-from tfremat._src.cost_model import keep_all
-from tfremat._src.cost_model import uniform_segments
-from tfremat._src.plan import Plan
+from tfremat._src.planning.cost_model import Budget
+from tfremat._src.planning.cost_model import keep_all
+from tfremat._src.planning.cost_model import uniform_segments
+from tfremat._src.planning.plan import Plan
 
 __all__ = [
     "largest_batch",
@@ -336,7 +336,7 @@ class _Ways:
 
   def __init__(self, model, policies, settings):
     # pylint: disable-next=g-import-not-at-top
-    from tfremat._src import remat_model as remat_model_lib
+    from tfremat._src.keras_api import remat_model as remat_model_lib
     self.policies = policies
     self.settings = settings
     if isinstance(model, keras.Model):
@@ -386,7 +386,7 @@ class _Ways:
         continue
       plan = Plan(self.costs, segments)
       self.plans[name] = plan
-      layer = chain_layers.apply_plan(self.layers, plan, self.policies)
+      layer = chain_layers.apply_plan(self.layers, plan)
       self.made[name] = (layer if self.planning is None else
                          self.planning.parts.model_with(layer))
       self.names.append(name)
@@ -419,7 +419,7 @@ class _Ways:
     plan = Plan([c.scaled(batch / self._first) for c in self.costs],
                 self.plans[way].segments, memory_bytes,
                 Budget(num_bytes=memory_bytes), measured=measured)
-    layer = chain_layers.apply_plan(self.layers, plan, self.policies)
+    layer = chain_layers.apply_plan(self.layers, plan)
     if self.planning is None:
       return layer
     return self.planning.parts.model_with(layer)
@@ -427,7 +427,7 @@ class _Ways:
 
 def _chain():
   # pylint: disable-next=g-import-not-at-top
-  from tfremat import chain
+  from tfremat._src.planning import chain_plan as chain
   return chain
 
 

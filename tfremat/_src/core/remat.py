@@ -56,13 +56,13 @@ from tensorflow.python.eager import record
 from tensorflow.python.ops import control_flow_util
 
 from tfremat import errors
-from tfremat import policies
-from tfremat._src import forward_ops
-from tfremat._src import rerun
-from tfremat._src import selective
-from tfremat._src import sources
-from tfremat._src import state
-from tfremat._src import step_seed
+from tfremat._src.core import policies
+from tfremat._src.core import forward_ops
+from tfremat._src.core import rerun
+from tfremat._src.core import selective
+from tfremat._src.core import sources
+from tfremat._src.core import keras_state
+from tfremat._src.core import step_seed
 
 __all__ = [
     "RematerializeFn",
@@ -228,7 +228,7 @@ def RematerializeFn(fn, *xs, determinism_check="default", policy=None,
 
 
 def _refuse_losses(losses):
-  raise state.UnreplayableOpError(
+  raise errors.UnreplayableOpError(
       f"The rematerialized function added {len(losses)} loss(es) with "
       "add_loss (e.g. an activity_regularizer). RematerializeFn returns only "
       "what the function returns and cannot hand them back to the layer that "
@@ -430,7 +430,7 @@ def _run_forward(call, context, leaves, policy, seed, debug):
   for _ in range(2):
     with record.stop_recording(), context:
       with record.VariableWatcher() as watcher:
-        with state.RecordingScope() as scope, forward_ops.ForwardOps(
+        with keras_state.RecordingScope() as scope, forward_ops.ForwardOps(
             inputs, debug) as ops:
           with _saving(policy, inputs) as saver:
             outputs = call(leaves)
@@ -442,7 +442,7 @@ def _run_forward(call, context, leaves, policy, seed, debug):
         saver = None
       watched = watcher.watched_variables()
       ops.record_reads(watched)
-      return _ForwardRun(outputs, state.ForwardState(scope, ops), ops,
+      return _ForwardRun(outputs, keras_state.ForwardState(scope, ops), ops,
                          watched, saver)
     step_seed.ResetStepSeed(seed)
   raise errors.UnsupportedError(

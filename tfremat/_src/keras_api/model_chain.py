@@ -11,8 +11,8 @@ import keras
 from keras.src.models import functional
 import numpy as np
 
-from tfremat import chain as chain_lib
-from tfremat._src.cost_model import Segment
+from tfremat._src.keras_api import chain_layers as chain_lib
+from tfremat._src.planning.cost_model import Segment
 
 __all__ = [
     "chain_units",

@@ -10,9 +10,9 @@ from tensorflow.python.eager import record
 from tensorflow.python.ops import gen_resource_variable_ops
 
 from tfremat import errors
-from tfremat._src import forward_ops
-from tfremat._src import selective
-from tfremat._src import watch
+from tfremat._src.core import forward_ops
+from tfremat._src.core import selective
+from tfremat._src.core import watch
 
 __all__ = [
     "find_sources",

@@ -10,14 +10,14 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
-from tfremat import measure
-from tfremat import policies as policies_lib
-from tfremat._src import residuals
-from tfremat._src import watch
-from tfremat._src import chain_layers
-from tfremat._src.cost_model import LayerCost
-from tfremat._src.cost_model import Segment
-from tfremat._src.layers import RematerializationLayer
+from tfremat._src.planning import measure
+from tfremat._src.core import policies as policies_lib
+from tfremat._src.core import residuals
+from tfremat._src.core import watch
+from tfremat._src.keras_api import chain_layers
+from tfremat._src.planning.cost_model import LayerCost
+from tfremat._src.planning.cost_model import Segment
+from tfremat._src.keras_api.layers import RematerializationLayer
 
 __all__ = [
     "training_step",
@@ -41,7 +41,7 @@ def _extra_peak_bytes(more, less, x):
 
   The median, over `measure.PEAK_CALLS` pairs of calls, of the difference
   of the two calls' peaks: a difference of two maxima over calls is far
-  noisier (docs/benchmarks.md, "Measurements behind the defaults").
+  noisier.
   """
   more(x)  # Trace outside the measurement.
   less(x)
@@ -149,7 +149,7 @@ def measure_layer(layer, x, repeats=5, policies=()):
   BatchNormalization and ReLU block).
 
   For each save policy in `policies` (names or values; the costs are keyed
-  by `tfremat.policies.name_of`), what the layer keeps when
+  by the policies' values), what the layer keeps when
   rematerialized under it is read from one traced forward pass (as
   `tfremat.saved_residuals` lists it), and what rematerializing it costs is
   the measured time of its training step so rematerialized, less that of
@@ -174,12 +174,11 @@ def measure_layer(layer, x, repeats=5, policies=()):
     saved = measure.held_bytes(_taped, layer, x)[1] - out
   saved = max(0, saved)
   fwd_peak = measure.peak_bytes(forward, x)
-  # Keyed by name (`tfremat.policies.name_of`): a Plan's segments name
-  # their policies, and its config is JSON.
-  by_name = {policies_lib.name_of(p): p for p in policies}
+  # Keyed by the policies' values: a plan's segments run them.
+  policies = tuple(policies_lib.get(p) for p in policies)
   kept, keeps, first_alike, empty = {}, {}, {}, set()
-  for p, found in zip(by_name, residuals.policy_residuals(
-      lambda h: layer(h, training=True), x, among=by_name.values())):
+  for p, found in zip(policies, residuals.policy_residuals(
+      lambda h: layer(h, training=True), x, among=policies)):
     kept[p] = found.total_bytes
     keeps[p] = _kinds_kept(found)
     alike = tuple((r.what.split()[0], r.shape, r.dtype) for r in found)
@@ -188,16 +187,16 @@ def measure_layer(layer, x, repeats=5, policies=()):
       # Keeping nothing of this layer, it runs a full recompute's program:
       # it costs what that costs (the forward time), untimed.
       empty.add(p)
-  timed = [p for p in by_name if first_alike[p] == p and p not in empty]
+  timed = [p for p in policies if first_alike[p] == p and p not in empty]
   policy_steps = [training_step(RematerializationLayer(
-      layer, policy=by_name[p])) for p in timed]
+      layer, policy=p)) for p in timed]
   fwd_s, both_s, *policy_s = measure.median_seconds(
       [forward, once] + policy_steps, x, repeats=repeats)
   seconds = dict(zip(timed, policy_s))
   policy_costs = {
       p: ([0, fwd_s] if p in empty else
           [kept[p], max(0.0, seconds[first_alike[p]] - both_s)])
-      for p in by_name}
+      for p in policies}
   cost = LayerCost(
       name=layer.name,
       forward_seconds=fwd_s,

@@ -21,13 +21,13 @@ from keras.src.backend.common import global_state
 from keras.src.backend.common import remat as keras_remat
 
 from tfremat import errors
-from tfremat import measure
-from tfremat import policies
-from tfremat._src import remat
-from tfremat._src import search
+from tfremat._src.planning import measure
+from tfremat._src.core import policies
+from tfremat._src.core import remat
+from tfremat._src.planning import search
 from tfremat._src import units
-from tfremat._src.cost_model import Budget
-from tfremat._src.layers import keras_layers
+from tfremat._src.planning.cost_model import Budget
+from tfremat._src.keras_api.layers import keras_layers
 
 __all__ = [
     "remat_in_place",
@@ -97,8 +97,7 @@ def remat_in_place(layers, policy=None, nested=False):
       3.9 added it).
   """
   layers = keras_layers(layers, "remat_in_place")
-  if policy is not None:
-    policies.get(policy)
+  policy = policies.parsed(policy)
   if _hook_missing():
     raise errors.UnsupportedError(
         f"remat_in_place needs Keras's layer rematerialization hook "

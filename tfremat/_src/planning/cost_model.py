@@ -13,7 +13,7 @@ import re
 import numpy as np
 
 from tfremat import errors
-from tfremat import policies as policies_lib
+from tfremat._src.core import policies as policies_lib
 from tfremat._src import units
 
 __all__ = [
@@ -57,12 +57,12 @@ class LayerCost:
       `forward_seconds` when it is not the last layer of a rematerialized
       segment, so that its recomputed tensors wait while the later layers'
       are recomputed (measured chain-wide by `measure_chain`).
-    policy_costs: per save policy name (`tfremat.policies.PLANNED`), a pair
+    policy_costs: per save policy (`tfremat.policies.PLANNED`'s values), a pair
       [kept bytes, recompute seconds]: what the layer's forward pass keeps
       under the policy when rematerialized (beyond its output), and what
       rematerializing it under the policy adds to a training step's time
       (measured, like the rest, by `measure_chain`).
-    policy_keeps: per save policy name, what it keeps of this layer by
+    policy_keeps: per save policy, what it keeps of this layer by
       kind, for printouts: "dots", "masks", "softmax", other op types joined
       with "+", or "nothing" (a softmax policy on a layer without softmax).
   """
@@ -79,12 +79,41 @@ class LayerCost:
   policy_costs: dict = dataclasses.field(default_factory=dict)
   policy_keeps: dict = dataclasses.field(default_factory=dict)
 
+  def __post_init__(self):
+    # Keyed by policy values; a built-in's name given here is parsed.
+    for field in ("policy_costs", "policy_keeps"):
+      entries = getattr(self, field)
+      if any(isinstance(p, str) for p in entries):
+        object.__setattr__(self, field, {_policy_of(p): value
+                                         for p, value in entries.items()})
+
   def get_config(self):
-    """A JSON-able dict; `LayerCost.from_config` reads it back."""
-    return dataclasses.asdict(self)
+    """A JSON-able dict (each policy serialized); `LayerCost.from_config`
+    reads it back."""
+    # Not dataclasses.asdict: it would turn each policy key into a dict.
+    config = {field.name: getattr(self, field.name)
+              for field in dataclasses.fields(self)}
+    config["policy_costs"] = [[policies_lib.serialize(p), kept, seconds]
+                              for p, (kept, seconds) in
+                              self.policy_costs.items()]
+    config["policy_keeps"] = [[policies_lib.serialize(p), kinds]
+                              for p, kinds in self.policy_keeps.items()]
+    return config
 
   @classmethod
   def from_config(cls, config):
+    """The LayerCost `get_config` described (or tfremat 0.1's config, whose
+    policies are keyed by name)."""
+    config = dict(config)
+    for field in ("policy_costs", "policy_keeps"):
+      entries = config.get(field) or []
+      if isinstance(entries, dict):
+        entries = [[name, *([value] if field == "policy_keeps" else value)]
+                   for name, value in entries.items()]
+      config[field] = {
+          _policy_of(entry[0]): (entry[1] if field == "policy_keeps" else
+                                 list(entry[1:]))
+          for entry in entries}
     return cls(**config)
 
   def scaled(self, factor):
@@ -136,9 +165,9 @@ class Segment:
   nested: bool = False
 
   def __post_init__(self):
-    if isinstance(self.policy, dict):  # A policy's config, as saved.
-      object.__setattr__(self, "policy",
-                         policies_lib.deserialize(self.policy))
+    # A built-in's name or a policy's saved config: its value.
+    if isinstance(self.policy, (str, dict)):
+      object.__setattr__(self, "policy", _policy_of(self.policy))
 
   def as_list(self):
     """[start, stop, remat], then the policy (`tfremat.policies.serialize`)
@@ -209,6 +238,15 @@ class Budget:
     if self.num_bytes is not None:
       return units.format_bytes(self.num_bytes)
     return f"{self.fraction:.0%} of the keep-everything peak"
+
+
+def _policy_of(config):
+  """The policy a saved config names; a name that is no longer a policy
+  (a user's, not importable here) stays a name, for printouts."""
+  try:
+    return policies_lib.deserialize(config)
+  except (ValueError, TypeError):
+    return config if isinstance(config, str) else str(config)
 
 
 def _segment_terms(costs, seg):
@@ -307,10 +345,8 @@ def segment_policies(costs):
   """The save policies measured for every layer of the chain."""
   if not costs:
     return ()
-  shared = set(costs[0].policy_costs)
-  for c in costs[1:]:
-    shared &= set(c.policy_costs)
-  return tuple(sorted(shared))
+  return tuple(p for p in costs[0].policy_costs
+               if all(p in c.policy_costs for c in costs[1:]))
 
 
 def _candidates(n, policies=()):

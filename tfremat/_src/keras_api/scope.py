@@ -16,10 +16,10 @@ carry the same modes, marked as tfremat's; the hook routes them to
 
 import keras
 
-from tfremat import policies as policies_lib
-from tfremat._src import in_place
-from tfremat._src import model_chain
-from tfremat._src import remat_model
+from tfremat._src.core import policies as policies_lib
+from tfremat._src.keras_api import in_place
+from tfremat._src.keras_api import model_chain
+from tfremat._src.keras_api import remat_model
 
 __all__ = ["RematScope"]
 
@@ -67,8 +67,7 @@ class RematScope:
                layer_names=None, policy=None):
     remat_model.check_mode_arguments("RematScope", mode, MODES,
                                      output_size_threshold, layer_names)
-    if policy is not None:
-      policies_lib.get(policy)  # An unknown policy is refused here.
+    policy = policies_lib.parsed(policy)  # An unknown policy is refused here.
     marked = None
     if mode is not None:
       marked = _Mode(mode)

@@ -12,9 +12,9 @@ layer's: weights, output shapes, dtypes, masks, losses.
 import keras
 
 from tfremat import errors
-from tfremat import policies
-from tfremat._src import hyperparams
-from tfremat._src import remat
+from tfremat._src.core import policies
+from tfremat._src.core import hyperparams
+from tfremat._src.core import remat
 
 __all__ = [
     "RematerializationLayer",
@@ -111,10 +111,10 @@ class RematerializationLayer(keras.layers.Wrapper):
   """
 
   def __init__(self, layer, policy=None, **kwargs):
-    if isinstance(policy, dict):
-      policy = policies.deserialize(policy)
-    elif policy is not None:
-      policies.get(policy)  # A bad policy is refused before anything else.
+    # Parsed once, a bad one refused before anything else; None takes the
+    # scope's policy when the layer runs.
+    policy = (policies.deserialize(policy) if isinstance(policy, dict) else
+              policies.parsed(policy))
     refuse_keras2(layer, "RematerializationLayer")
     if not isinstance(layer, keras.layers.Layer):
       raise errors.InvalidTypeError(

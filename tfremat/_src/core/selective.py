@@ -35,8 +35,8 @@ import tensorflow as tf
 from tensorflow.python.framework import ops
 
 from tfremat import errors
-from tfremat import policies
-from tfremat._src import watch
+from tfremat._src.core import policies
+from tfremat._src.core import watch
 
 __all__ = [
     "describe",

@@ -15,10 +15,10 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
-from tfremat import measure
-from tfremat import policies
-from tfremat._src import remat
-from tfremat._src import selective
+from tfremat._src import units
+from tfremat._src.core import policies
+from tfremat._src.core import remat
+from tfremat._src.core import selective
 
 __all__ = [
     "saved_residuals",
@@ -90,7 +90,7 @@ def _short_name(name):
 
 def _format_bytes(n):
   if n >= 2**20:
-    return measure.format_bytes(n)
+    return units.format_bytes(n)
   return f"{n / 2**10:.1f} KiB"
 
 

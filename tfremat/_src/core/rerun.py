@@ -10,13 +10,14 @@ from tensorflow.python.eager import record
 from tensorflow.python.ops import control_flow_util
 
 from tfremat import errors
-from tfremat._src import forward_ops
-from tfremat._src import rerun_checks
-from tfremat._src import selective
-from tfremat._src import sources
-from tfremat._src import state
-from tfremat._src import step_seed
-from tfremat._src import watch
+from tfremat._src.core import forward_ops
+from tfremat._src.core import rerun_checks
+from tfremat._src.core import selective
+from tfremat._src.core import sources
+from tfremat._src.core import keras_state
+from tfremat._src.core import op_types
+from tfremat._src.core import step_seed
+from tfremat._src.core import watch
 
 __all__ = [
     "Gradient",
@@ -89,7 +90,7 @@ class Gradient:
       # A forward accumulator transposes this function as it is recorded;
       # its transposition sees the rerun's gradient as unconnected and would
       # give zero JVPs.
-      raise state.UnreplayableOpError(
+      raise errors.UnreplayableOpError(
           "Forward-mode differentiation (tf.autodiff.ForwardAccumulator) of "
           "a rematerialized function is not supported: its JVPs would be "
           "silently zero. Compute JVPs of the function without "
@@ -311,11 +312,11 @@ class _ByGradientsOfGraph:
 
 def _rerun(forward, leaves, keras_values, seed, global_step):
   """Runs `fn` again; returns its outputs, losses and the ops it ran
-  (`state.OpTypes`)."""
+  (`op_types.OpTypes`)."""
   debug = forward.op_details is not None
   with forward.context, step_seed.replaying(seed, global_step):
-    with state.replaying(forward.keras_variables, keras_values) as losses:
-      with state.OpTypes(debug) as ran, forward_ops.RandomAfterInputs(
+    with keras_state.replaying(forward.keras_variables, keras_values) as losses:
+      with op_types.OpTypes(debug) as ran, forward_ops.RandomAfterInputs(
           [x for x in leaves if isinstance(x, tf.Tensor)]):
         outputs = forward.call(leaves)
   return outputs, losses, ran

@@ -14,14 +14,14 @@ import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
 from tfremat import errors
-from tfremat import policies as policies_lib
-from tfremat._src import in_place
-from tfremat._src.cost_model import Segment
-from tfremat._src.cost_model import check_segments
-from tfremat._src.plan import Plan
-from tfremat._src import layers as layers_lib
-from tfremat._src import watch
-from tfremat._src.layers import RematerializationLayer
+from tfremat._src.core import policies as policies_lib
+from tfremat._src.keras_api import in_place
+from tfremat._src.planning.cost_model import Segment
+from tfremat._src.planning.cost_model import check_segments
+from tfremat._src.planning.plan import Plan
+from tfremat._src.keras_api import layers as layers_lib
+from tfremat._src.core import watch
+from tfremat._src.keras_api.layers import RematerializationLayer
 
 __all__ = [
     "ContextUnit",
@@ -170,7 +170,7 @@ class RematSequential(keras.layers.Layer):
       forward and backward ops in the order they are built (`_ordered`), so
       that a step's peak varies less from call to call within a process. It
       costs step time, as independent ops no longer overlap
-      (docs/benchmarks.md, "Measurements behind the defaults").
+      (docs/design.md, "Budgets that hold").
       False (the default) lets the executor's threads overlap them. The
       planner orders a chain only where no unordered plan fits.
   """
@@ -178,16 +178,14 @@ class RematSequential(keras.layers.Layer):
   def __init__(self, layers, segments, plan=None, policy=None, ordered=False,
                gated=False, **kwargs):
     layers = layers_lib.keras_layers(layers, "RematSequential", chain=True)
+    # Each policy parsed once (a name or a function becomes its value).
     segments = [s if isinstance(s, Segment) else Segment(*s)
                 for s in segments]
+    segments = [dataclasses.replace(s, policy=policies_lib.parsed(s.policy))
+                for s in segments]
     check_segments(segments, len(layers))
-    for seg in segments:
-      if seg.policy is not None:
-        policies_lib.get(seg.policy)
-    if isinstance(policy, dict):
-      policy = policies_lib.deserialize(policy)
-    elif policy is not None:
-      policies_lib.get(policy)
+    policy = (policies_lib.deserialize(policy) if isinstance(policy, dict)
+              else policies_lib.parsed(policy))
     super().__init__(**kwargs)
     self.chain = layers
     self.segments = segments
@@ -296,7 +294,7 @@ class RematSequential(keras.layers.Layer):
     return cls(layers, **config)
 
 
-def apply_plan(layers, plan, policies=(), **kwargs):
+def apply_plan(layers, plan, **kwargs):
   """The chain `layers` run as `plan` says: the one place a plan becomes
   layers (`remat_sequential`, `remat_model`, the builder, the planner's
   checks, the benchmark and `largest_batch` all come here).
@@ -304,10 +302,8 @@ def apply_plan(layers, plan, policies=(), **kwargs):
   Args:
     layers: the chain's Keras layers.
     plan: a `tfremat.planner.Plan`, or a candidate the planner measures
-      (anything with `segments` and `ordered`).
-    policies: the policy values a plan's segments name (a segment whose
-      policy is the name of one of them runs that value: a user's own
-      policy runs as itself).
+      (anything with `segments` and `ordered`); its segments' policies are
+      values, a user's own included, and run as themselves.
     **kwargs: for the `RematSequential` (its `name`, say).
 
   Returns:
@@ -315,10 +311,7 @@ def apply_plan(layers, plan, policies=(), **kwargs):
     ordered if the plan is, every kept layer gated (`RematSequential`'s
     `gated`), and `.plan` the plan (when a Plan is given).
   """
-  by_name = {policies_lib.name_of(p): p for p in policies}
-  segments = [dataclasses.replace(s, policy=by_name.get(s.policy, s.policy))
-              for s in plan.segments]
-  return RematSequential(layers, segments,
+  return RematSequential(layers, plan.segments,
                          plan=plan if isinstance(plan, Plan) else None,
                          ordered=plan.ordered, gated=True, **kwargs)
 

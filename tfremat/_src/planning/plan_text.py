@@ -3,7 +3,7 @@ then its budget, measured bound and the cost model's predictions, then a
 legend (`LEGEND`, also `tfremat.planner.LEGEND`)."""
 
 from tfremat._src import units
-from tfremat import policies
+from tfremat._src.core import policies
 
 __all__ = [
     "layer_rows",

@@ -1,0 +1,3 @@
+"""tfremat internals: core."""
+
+__all__ = []

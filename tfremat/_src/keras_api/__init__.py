@@ -1,0 +1,3 @@
+"""tfremat internals: keras_api."""
+
+__all__ = []

@@ -1,0 +1,3 @@
+"""tfremat internals: planning."""
+
+__all__ = []
