@@ -73,6 +73,7 @@ from tfremat import models
 from tfremat import planner
 from tfremat import policies
 from tfremat._src.planning import chain_plan
+from tfremat._src.planning import measure as measure_impl
 
 __all__ = [
     "main",
@@ -696,12 +697,12 @@ def measure_whole_model(name, budget=0.5, rounds=5):
       notes[label] = (f"planned in {time.perf_counter() - start:.1f} s: "
                       f"bound {bound:.0%}")
   # pylint: disable=protected-access
-  measure._wait(chain.training_step(model)(batch))  # One-time costs.
+  measure_impl.wait_for(chain.training_step(model)(batch))  # One-time costs.
   rows, steps = [], []
   for variant, m in made.items():
     step = chain.training_step(m)
     start = time.perf_counter()
-    measure._wait(step(batch))
+    measure_impl.wait_for(step(batch))
     rows.append({"model": name, "variant": variant,
                  "first_call_seconds": time.perf_counter() - start,
                  "peak_bytes": measure.peak_bytes(step, batch, warmup=False),

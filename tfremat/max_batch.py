@@ -42,6 +42,7 @@ from tfremat import models
 from tfremat import planner
 from tfremat import policies
 from tfremat._src.planning import batch_fit
+from tfremat._src.planning import measure as measure_impl
 
 __all__ = [
     "Method",
@@ -297,7 +298,7 @@ def _time_rows(rows, rounds):
   for _ in range(rounds):
     for i in order.permutation(len(rows)):
       start = time.perf_counter()
-      measure._wait(rows[i]["step"](rows[i]["inputs"]))  # pylint: disable=protected-access
+      measure_impl.wait_for(rows[i]["step"](rows[i]["inputs"]))
       times[i].append(time.perf_counter() - start)
   for row, t in zip(rows, times):
     row["step_seconds"] = float(np.median(t))

@@ -30,6 +30,7 @@ __all__ = [
     "progress_bar",
     "restoring",
     "PEAK_CALLS",
+    "wait_for",
 ]
 
 # A traced step's peak can move from call to call where the executor's
@@ -71,7 +72,7 @@ def _check_allocator(device):
     with recorded.call():
       with tf.device(device):
         probe = tf.fill([256], 1.0)
-        _wait(probe)
+        wait_for(probe)
         del probe
   if recorded.peaks[0].requested_bytes < 1024:
     raise errors.UnsupportedError(
@@ -129,11 +130,11 @@ def step_peaks(step, *args, calls=PEAK_CALLS, warmup=True, **kwargs):
   device = memory_device()
   _check_allocator(device)
   if warmup:
-    _wait(step(*args, **kwargs))
+    wait_for(step(*args, **kwargs))
   with _Allocations(device) as recorded:
     for _ in range(calls):
       with recorded.call():
-        _wait(step(*args, **kwargs))
+        wait_for(step(*args, **kwargs))
   return recorded.peaks
 
 
@@ -146,7 +147,7 @@ def held_bytes(fn, *args, **kwargs):
   with _Allocations(device) as recorded:
     with recorded.call():
       result = fn(*args, **kwargs)
-      _wait(result)
+      wait_for(result)
   return result, recorded.peaks[0].held_bytes
 
 
@@ -343,8 +344,9 @@ def replicated(fn, jit_compile=False, reduce_retracing=False):
   return tf.function(in_replicas, reduce_retracing=reduce_retracing)
 
 
-def _wait(result):
-  # Converting every tensor to numpy waits for the values.
+def wait_for(result):
+  """Waits for every tensor in `result` to be computed (by converting it to
+  numpy)."""
   tf.nest.map_structure(
       lambda t: np.asarray(t) if tf.is_tensor(t) else t, result)
 
@@ -365,13 +367,13 @@ def seconds(fns, *args, repeats=5):
   """Every timed call of `median_seconds`: per fn, a list of `repeats`
   seconds."""
   for fn in fns:
-    _wait(fn(*args))
+    wait_for(fn(*args))
   times = [[] for _ in fns]
   order = np.random.default_rng(0)
   for _ in range(repeats):
     for i in order.permutation(len(fns)):
       start = time.perf_counter()
-      _wait(fns[i](*args))
+      wait_for(fns[i](*args))
       times[i].append(time.perf_counter() - start)
   return times
 
