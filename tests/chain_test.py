@@ -345,6 +345,7 @@ def test_a_policy_keeping_nothing_of_a_layer_costs_a_full_recompute(
   assert cost.policy_keeps[policies.masks_saveable] == "nothing"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["mlp", "transformer"])
 def test_budgets_hold_when_measured(model):
   blocks, x = _chain(model)
@@ -553,6 +554,7 @@ def test_nested_segments_round_trip_through_a_keras_file(tmp_path):
   assert_trees_close(loaded(x).numpy(), layer(x).numpy())
 
 
+@pytest.mark.slow
 def test_a_budget_below_every_layer_alone_is_met_nested():
   # Four blocks, each three MLPs (Dense(256, gelu), Dropout, Dense(64)) at
   # batch 2048: a block's rerun holds its three 2 MiB-wide working sets at
@@ -669,6 +671,7 @@ def test_an_ordered_chain_leaves_graph_optimizations_on(tmp_path):
   assert done.stdout.split()[-1] == "0"  # No power op waits on another.
 
 
+@pytest.mark.slow
 def test_the_planner_takes_policies_by_value_and_a_users_own():
   # A policy is a value to the planner as to everything else: a built-in's
   # value is measured as its name is (the same costs, under the same key),
