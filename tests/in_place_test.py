@@ -243,6 +243,7 @@ def test_budget_in_place_rematerializes_the_fewest_that_fit():
   assert max(later) <= chosen.budget_bytes, (later, str(chosen))
 
 
+@pytest.mark.slow
 def test_budget_in_place_nests_the_layers_when_they_alone_are_over():
   # Four blocks of four MLPs (Dense(256, gelu), Dropout, Dense(64)), batch
   # 2048. Measured, of the step's peak without remat: the blocks alone

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from conftest import assert_trees_close
 
@@ -41,6 +42,7 @@ def _assert_trained_like_reference(path, key, initial="initial", blocks=2):
   assert max(np.abs(a - b).max() for a, b in zip(trained, initial)) > 1e-3
 
 
+@pytest.mark.slow
 def test_mirrored_strategy_custom_step_and_fit(tmp_path):
   out = tmp_path / "mirrored.npz"
   subprocess.run([sys.executable, str(WORKER), "mirrored", str(out)],

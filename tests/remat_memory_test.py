@@ -29,6 +29,7 @@ _RATIO = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("jit", [False, True], ids=["function", "xla"])
 def test_every_block_rematerialized_peaks_at_most_035x_of_plain(jit):
   # 32 residual blocks: 2 MiB block inputs, 8 MiB hidden activations, so

@@ -469,6 +469,7 @@ def test_chain_units_cut_where_every_path_passes():
   assert sum(isinstance(u, keras.Model) for u in units) == 2
 
 
+@pytest.mark.slow
 def test_budget_plans_a_functional_transformer_with_exact_gradients(tmp_path):
   # Large enough that half its peak is well above allocator granularity.
   # 70%: the lowest bound measured, reserve included,
@@ -553,6 +554,7 @@ def test_a_padding_mask_every_block_reads_does_not_break_the_chain():
     context[0](tf.zeros([4, 8, 16]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("step_mode", ["function", "xla"])
 def test_budget_plans_blocks_that_read_a_padding_mask_exactly(
     step_mode, tmp_path):
@@ -793,6 +795,7 @@ def test_grouping_saves_a_quarter_of_a_cnns_peak_on_either_kernel(mode,
   assert peaks[mode] <= 0.75 * peaks["kept"], peaks
 
 
+@pytest.mark.slow
 def test_budget_on_a_cnn_plans_over_the_groups_exactly(tmp_path):
   # Single layers measured one by one saved nothing alone and took minutes on
   # keras.applications CNNs; the planner chooses between mode="full"'s groups.
