@@ -95,3 +95,136 @@ def test_every_code_name_the_docs_cite_exists():
       except AttributeError:
         missing.append(f"{page.name}: {name}")
   assert not missing, missing
+
+
+# Pages whose links and headings are checked; CHANGELOG.md and
+# CONTRIBUTING.md are read on GitHub as the others are.
+_LINKED_PAGES = PAGES + [ROOT / "CHANGELOG.md", ROOT / "CONTRIBUTING.md"]
+
+
+def _anchor(heading):
+  """GitHub's anchor for a heading: lower case, punctuation but `-` and `_`
+  dropped, spaces made `-`."""
+  text = re.sub(r"[`*]", "", heading.strip()).lower()
+  text = re.sub(r"[^\w\- ]", "", text)
+  return text.replace(" ", "-")
+
+
+def _headings(page):
+  """The headings of a Markdown page, outside its code blocks."""
+  text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+  return [m.group(1) for m in re.finditer(r"^#+ (.+)$", text, re.M)]
+
+
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def test_every_relative_link_and_anchor_resolves():
+  broken = []
+  for page in _LINKED_PAGES:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    for target in _LINK.findall(text):
+      if re.match(r"[a-z]+:", target):  # https:, mailto:
+        continue
+      path, _, anchor = target.partition("#")
+      linked = (page.parent / path).resolve() if path else page
+      if not linked.exists():
+        broken.append(f"{page.name}: {target} (no such file)")
+      elif anchor and anchor not in {_anchor(h) for h in _headings(linked)}:
+        broken.append(f"{page.name}: {target} (no such heading)")
+  assert not broken, broken
+
+
+# `docs/design.md, "Budgets that hold"`, across a line break and the comment
+# marks of code.
+_CITED_SECTION = re.compile(
+    r"((?:docs/)?[a-z_]+\.md)(?:'s)?,?\s+(?:#\s*)?\"([^\"]+)\"")
+
+
+def _citing_files():
+  for folder, pattern in (("tfremat", "**/*.py"), ("tests", "*.py"),
+                          ("examples", "*.py")):
+    yield from sorted((ROOT / folder).glob(pattern))
+  yield from _LINKED_PAGES
+
+
+def test_every_cited_section_exists():
+  # A section cited as the evidence for a default that was later renamed or
+  # removed leaves the citation pointing nowhere.
+  missing = []
+  for path in _citing_files():
+    if path.name == "docs_test.py":
+      continue
+    text = re.sub(r"\n\s*#?\s*", " ", path.read_text())
+    for page, section in _CITED_SECTION.findall(text):
+      target = ROOT / page if page.startswith("docs/") else next(
+          (p for p in _LINKED_PAGES if p.name == page), None)
+      if target is None or not target.exists():
+        missing.append(f"{path.name}: {page} (no such page)")
+      elif section not in _headings(target):
+        missing.append(f'{path.name}: {page}, "{section}"')
+  assert not missing, missing
+
+
+def _section(page, heading):
+  text = page.read_text()
+  start = text.index(f"## {heading}\n")
+  end = text.find("\n## ", start + 1)
+  return text[start:end if end >= 0 else None]
+
+
+# A figure: a ratio (2.5x), a percentage (35%), a size (512 MiB) or a time
+# (92 s); ranges give both ends.
+_FIGURE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)(x|%| MiB| s\b)")
+
+
+def _tables_with_labels():
+  """The evidence tables: each of docs/benchmarks.md's and docs/design.md's
+  tables, with the text between its heading and the table (where
+  its command, commit and date are given)."""
+  tables = []
+  for page in (ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "design.md"):
+    for block in re.split(r"\n(?=#+ )", page.read_text()):
+      # Markdown tables, and the bench's own printed tables in plain code
+      # blocks.
+      for match in re.finditer(r"((?:^\|.*\|\n)+)|^```\n(.*?)^```", block,
+                               re.M | re.S):
+        tables.append((page.name, block[:match.start()],
+                       match.group(1) or match.group(2)))
+  return tables
+
+
+def test_every_table_says_its_command_commit_and_date():
+  unlabelled = []
+  for page, before, table in _tables_with_labels():
+    if not re.search(r"\b(peak|step|batch|bound|MiB|x none)\b", table):
+      continue  # A table of names, not of measurements.
+    label = before[-1500:]
+    if not (re.search(r"python\s+(-[mc]\s+)?\S+", label) and
+            re.search(r"\bcommit\s+[0-9a-f]{7,}", label) and
+            re.search(r"\b20\d\d-\d\d-\d\d\b", label)):
+      unlabelled.append(f"{page}: {table.splitlines()[0][:60]}")
+  assert not unlabelled, unlabelled
+
+
+def test_the_readmes_figures_are_in_the_tables():
+  # The headline's and "Costs and limits"' numbers each come from a table
+  # a reader can rerun.
+  readme = ROOT / "README.md"
+  text = readme.read_text()
+  headline = text[:text.index("\n## ")]
+  limits = _section(readme, "Costs and limits")
+  tables = "\n".join(table for _, _, table in _tables_with_labels())
+  found_in = set(re.findall(r"(?<![\w.])\d+(?:\.\d+)?", tables))
+  # Round figures a reader rounds to (2.5x from 2.53) count too.
+  for value in list(found_in):
+    found_in.add(f"{float(value):.1f}")
+    found_in.add(f"{float(value):.0f}")
+  missing = []
+  for part in (headline, limits):
+    prose = re.sub(r"```.*?```", "", part, flags=re.S)
+    for number, unit in _FIGURE.findall(prose):
+      if unit.strip() in ("MiB", "s") or unit in ("x", "%"):
+        if number not in found_in:
+          missing.append(f"{number}{unit}")
+  assert not missing, missing
