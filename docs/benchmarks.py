@@ -75,7 +75,11 @@ def _table(output):
       while (end < len(lines) and lines[end].strip() and
              not re.match(r"^\S[^:]{0,24}: \S", lines[end])):
         end += 1
-      return "\n".join(lines[start:end])
+      # The max-batch search's lines say how long each row's search took.
+      searched = [line for line in lines[:start]
+                  if re.search(r": batch \d+ \(\d+ probes, \d+ s\)", line)]
+      return "\n".join(lines[start:end] + (["", *searched] if searched
+                                            else []))
   return lines[-1]
 
 

@@ -39,7 +39,12 @@ def _signature(name, obj):
   except (TypeError, ValueError):
     return name
   params = [p for p in sig.parameters.values() if p.name != "self"]
-  return f"{name}{sig.replace(parameters=params, return_annotation=sig.empty)}"
+  text = f"{name}{sig.replace(parameters=params, return_annotation=sig.empty)}"
+  # Defaults that are the package's named values, by their names.
+  from tfremat import planner, policies  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  return (text.replace(repr(policies.PLANNED), "tfremat.policies.PLANNED")
+          .replace(repr(planner.DEFAULT_SETTINGS),
+                   "tfremat.planner.DEFAULT_SETTINGS"))
 
 
 def _entry(prefix, name, obj):
