@@ -41,8 +41,8 @@ def _rows(table):
 
 
 # Columns after the method: peak MiB, x none, step ms, IQR ms, x none,
-# grad error, first call ms, trace ms.
-_GRAD_ERROR, _FIRST_CALL, _TRACE = -3, -2, -1
+# grad error, first call ms, trace ms, alloc x.
+_GRAD_ERROR, _FIRST_CALL, _TRACE, _ALLOC = -4, -3, -2, -1
 
 
 @pytest.mark.parametrize("mode", [
@@ -60,6 +60,8 @@ def test_methods_table_shows_tfremat_exact_and_recompute_grad_wrong(mode):
   assert grad_error["tf.recompute_grad"] > 1e-3  # A new dropout mask.
   assert float(rows["tfremat"][1]) < 1.0  # Peak ratio to none.
   assert all(float(v[_FIRST_CALL]) > 0 for v in rows.values())
+  # The allocator's chunks hold at least the tensors' requested bytes.
+  assert all(float(v[_ALLOC]) >= 1.0 for v in rows.values()), rows
   traces = {v[_TRACE] for v in rows.values()}
   eager = mode == ["--eager"]
   assert traces == {"-"} if eager else all(float(t) > 0 for t in traces)
@@ -118,6 +120,7 @@ def test_sweep_writes_table_csv_and_plot(tmp_path):
     assert out_png.stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_help_and_bad_flags():
   # The runs are independent: started together, their TensorFlow imports
   # overlap (24-28 s one after another in CI).

@@ -229,6 +229,7 @@ def test_builder_stack_trains_with_fit(jit):
   assert not np.allclose(plain.get_weights()[0], initial[0])
 
 
+@pytest.mark.slow
 def test_sqrt_segments_save_memory_on_a_16_layer_stack():
   b = _b(deterministic_dropout=True)
   layers = [b._Block(f"block{i}", 256) for i in range(16)]

@@ -709,6 +709,7 @@ def test_a_budget_above_keeping_everything_keeps_everything():
   assert not any(layer.plan.rematerialized), str(layer.plan)
 
 
+@pytest.mark.slow
 def test_a_budget_at_115_percent_of_the_lowest_plan_is_planned():
   # A budget the lowest plan meets with 15% to spare is planned, not
   # refused: its bound adds its calls' spread and 5%, not 35%.

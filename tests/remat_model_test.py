@@ -787,6 +787,7 @@ def _cnn_peaks_in_a_new_process(onednn):
 # dominate on both kernels. Each kernel is measured in a new process, so
 # that the result depends neither on the machine's CPU nor on what the
 # process ran before.
+@pytest.mark.slow
 @pytest.mark.parametrize("onednn", ["1", "0"], ids=["onednn", "eigen"])
 @pytest.mark.parametrize("mode", ["full", "larger_than"])
 def test_grouping_saves_a_quarter_of_a_cnns_peak_on_either_kernel(mode,
