@@ -364,6 +364,7 @@ def test_keras_hub_causal_lm_nested_peaks_lower_and_still_generates():
 
 # Slow on 2 cores, and needs keras-hub: CI runs it in its second stage.
 @pytest.mark.slow
+@pytest.mark.long
 def test_keras_hub_causal_lm_under_a_budget_stays_a_task():
   keras_hub = pytest.importorskip("keras_hub")
   from examples_test import _load  # pylint: disable=g-import-not-at-top

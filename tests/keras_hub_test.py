@@ -35,7 +35,9 @@ def _batch(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt2", "bert", "llama", "gemma"])
+@pytest.mark.parametrize("name", [
+    "gpt2", pytest.param("bert", marks=pytest.mark.long),
+    pytest.param("llama", marks=pytest.mark.long), "gemma"])
 def test_budget_plans_keras_hub_backbones_exactly_and_within_budget(name):
   keras.utils.set_random_seed(0)
   # The plan that peaks lowest with each transformer layer rerun whole (one
@@ -75,7 +77,8 @@ def test_budget_plans_keras_hub_backbones_exactly_and_within_budget(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt2", "gemma"])
+@pytest.mark.parametrize("name", [
+    "gpt2", pytest.param("gemma", marks=pytest.mark.long)])
 def test_a_budget_below_each_layer_alone_plans_nested_exactly(name):
   # 30% is below the lowest plan rerunning whole transformer layers (its
   # peak measured 0.31x-0.36x of keeping everything, and its bound adds the

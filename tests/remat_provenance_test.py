@@ -264,7 +264,8 @@ def test_gradients_match_plain_whatever_the_inputs_source(
 
 
 @pytest.mark.parametrize("mode", [
-    pytest.param(m, marks=[pytest.mark.slow] if m != "eager" else [])
+    pytest.param(m, marks=([pytest.mark.slow] if m != "eager" else []) +
+                 ([pytest.mark.long] if m == "xla" else []))
     for m in MODES])
 def test_nested_inner_tapes_match_plain_and_do_not_crash(mode):
   cases = [c for c in CRASH_PRONE if c[1] == mode]
