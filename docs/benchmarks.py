@@ -4,11 +4,15 @@
   python docs/benchmarks.py max_batch_mlp   # some of them, by name (TABLES)
   python docs/benchmarks.py --list          # the names and their commands
 
+BENCHMARKS_LOG_DIR=DIR keeps all each command printed in DIR/NAME.log: the
+max-batch searches say there how long each took.
+
 Run it from the repository's root, on an idle machine, with the package
 installed (`pip install ".[bench,hub]"`). Each table on the page sits between
 `<!-- table NAME -->` and `<!-- end table -->`: its command runs in a new
 process, and its printed table replaces what is there, under a line naming
-the command, the commit and the date. The page's machine line (`<!-- machine
+the command, the commit (with the git tree of its `tfremat/`, the code
+measured) and the date. The page's machine line (`<!-- machine
 -->`) is rewritten from this machine, so the page names it once.
 """
 
@@ -84,9 +88,14 @@ def _table(output):
 
 
 def _commit():
-  return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                        check=True, capture_output=True,
-                        text=True).stdout.strip()
+  """The checked-out commit, and the git tree of its `tfremat/` (the code
+  measured): tables from commits that differ only in docs and tests name
+  the same tree."""
+  def rev(name):
+    return subprocess.run(["git", "rev-parse", "--short", name], cwd=ROOT,
+                          check=True, capture_output=True,
+                          text=True).stdout.strip()
+  return rev("HEAD"), rev("HEAD:tfremat")
 
 
 def _machine():
@@ -128,16 +137,20 @@ def main(names):
   unknown = set(names) - set(TABLES)
   if unknown:
     raise SystemExit(f"no such table: {sorted(unknown)}; --list names them")
-  commit, today = _commit(), datetime.date.today().isoformat()
+  (commit, tree), today = _commit(), datetime.date.today().isoformat()
   text = _replace(PAGE.read_text(), "machine", _machine() + ".")
   for name in names or TABLES:
     command, env, folder = TABLES[name]
     print(f"{name}: {_shown(name)}", flush=True)
     done = subprocess.run(command, cwd=folder, capture_output=True,
                           text=True, env=dict(os.environ, **env))
+    if os.environ.get("BENCHMARKS_LOG_DIR"):  # What each command logged.
+      pathlib.Path(os.environ["BENCHMARKS_LOG_DIR"], f"{name}.log").write_text(
+          done.stdout + done.stderr)
     if done.returncode:
       raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
-    body = (f"{today}, commit {commit}, `{_shown(name)}`:\n\n```\n"
+    body = (f"{today}, commit {commit} (tfremat/ tree {tree}), "
+            f"`{_shown(name)}`:\n\n```\n"
             f"{_table(done.stdout)}\n```")
     text = _replace(text, f"table {name}", body)
     PAGE.write_text(text)  # Each table as it is measured.
