@@ -6,6 +6,7 @@ relies on a name it never defines fails here. A snippet followed by a
 measured size, a time).
 """
 
+import importlib.util
 import os
 import pathlib
 import re
@@ -57,6 +58,20 @@ def test_snippet_runs_as_written(code, output, tmp_path):
   if output is not None:
     assert _prints(output, done.stdout), (
         f"printed:\n{done.stdout}\nthe page shows:\n{output}")
+
+
+def test_largest_batchs_docstring_example_is_the_guides_run_snippet():
+  # The docstring's example runs, as the guide's snippet (run above); this
+  # keeps the two the same code.
+  import textwrap  # pylint: disable=import-outside-toplevel
+  import tfremat  # pylint: disable=import-outside-toplevel
+  doc = tfremat.largest_batch.__doc__
+  example = textwrap.dedent(
+      doc[doc.index("\n\n") + 2:doc.index("\n\n  (docs/guide.md")]).strip()
+  guide = _section(ROOT / "docs" / "guide.md",
+                   "The largest batch for your memory: `largest_batch`")
+  code = _SNIPPET.search(guide).group(1)
+  assert example in code, (example, code)
 
 
 def test_the_api_reference_is_current():
@@ -205,6 +220,24 @@ def test_every_table_says_its_command_commit_and_date():
             re.search(r"\b20\d\d-\d\d-\d\d\b", label)):
       unlabelled.append(f"{page}: {table.splitlines()[0][:60]}")
   assert not unlabelled, unlabelled
+
+
+def test_the_cpu_tables_measure_one_state_of_the_package():
+  # docs/benchmarks.py writes every CPU table between its markers, naming
+  # the git tree of the tfremat/ it measured: one tree for the whole page,
+  # so no table is left from older code.
+  page = (ROOT / "docs" / "benchmarks.md").read_text()
+  blocks = dict(re.findall(r"<!-- table (\S+) -->\n(.*?)\n<!-- end table -->",
+                           page, re.S))
+  spec = importlib.util.spec_from_file_location(
+      "docs_benchmarks", ROOT / "docs" / "benchmarks.py")
+  script = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(script)
+  assert sorted(blocks) == sorted(script.TABLES)
+  trees = {name: re.findall(r"\(tfremat/ tree ([0-9a-f]{7,})\)", body)
+           for name, body in blocks.items()}
+  assert all(len(found) == 1 for found in trees.values()), trees
+  assert len({found[0] for found in trees.values()}) == 1, trees
 
 
 def test_the_readmes_figures_are_in_the_tables():

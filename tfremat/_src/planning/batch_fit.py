@@ -116,9 +116,19 @@ def largest_batch(model, memory, sample_input, *, multiple=None,
   """The largest batch whose training step fits `memory`, and the
   rematerialized model that trains fastest per example at it.
 
-    found = tfremat.largest_batch(model, "512MiB", sample_batch)
-    print(found)   # batch 1234, every layer rematerialized: bound ...
-    found.model.fit(data, batch_size=found.batch)
+    keras.utils.set_random_seed(0)
+    x = inputs = keras.Input((256,))
+    for _ in range(6):
+      x = x + keras.layers.Dense(256)(keras.layers.Dense(1024, activation="gelu")(x))
+    model = keras.Model(inputs, keras.layers.Dense(10)(x))
+
+    found = tfremat.largest_batch(model, "64MiB", tf.random.normal([128, 256]),
+                                  verbose=0)
+    print(found)
+    found.model.compile(optimizer="adam", loss="mse")  # Train this at found.batch.
+
+  (docs/guide.md, "The largest batch for your memory: `largest_batch`",
+  runs this example and shows what it prints.)
 
   A step's peak grows about linearly with the batch. The ways that peak
   lowest are each measured at the sample's batch and twice it: every layer
