@@ -53,8 +53,11 @@ _XLA_TOO_SLOW = ("DenseNet121", "EfficientNetB0")
 
 
 @pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.long) if n in ("ConvNeXtTiny",
-                                                     "DenseNet121") else n
+    # The three largest run with TFREMAT_LONG=1 only (CI's slow stage took
+    # 14 min with ResNet50's 109 s here); MobileNetV2 and EfficientNetB0
+    # keep a CNN with depthwise and one with squeeze-excite blocks in CI.
+    pytest.param(n, marks=pytest.mark.long) if n in (
+        "ConvNeXtTiny", "DenseNet121", "ResNet50") else n
     for n in sorted(MODELS)])
 def test_full_mode_is_exact_and_peaks_below_the_original(name):
   model, x = _model(name)

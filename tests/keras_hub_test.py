@@ -78,7 +78,10 @@ def test_budget_plans_keras_hub_backbones_exactly_and_within_budget(name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [
-    "gpt2", pytest.param("gemma", marks=pytest.mark.long)])
+    # TFREMAT_LONG=1 only (92 s for GPT-2 here): nesting below a layer's own
+    # floor is planned in CI on chains (chain_test) and in place (in_place_test).
+    pytest.param("gpt2", marks=pytest.mark.long),
+    pytest.param("gemma", marks=pytest.mark.long)])
 def test_a_budget_below_each_layer_alone_plans_nested_exactly(name):
   # 30% is below the lowest plan rerunning whole transformer layers (its
   # peak measured 0.31x-0.36x of keeping everything, and its bound adds the
@@ -103,7 +106,11 @@ def test_a_budget_below_each_layer_alone_plans_nested_exactly(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt2", "bert", "llama", "gemma"])
+@pytest.mark.parametrize("name", [
+    # Llama's and Gemma's (61-71 s each here) run with TFREMAT_LONG=1; GPT-2
+    # and BERT keep a causal and a bidirectional backbone in CI.
+    "gpt2", "bert", pytest.param("llama", marks=pytest.mark.long),
+    pytest.param("gemma", marks=pytest.mark.long)])
 def test_every_mode_is_exact_and_peaks_at_most_the_original(name):
   keras.utils.set_random_seed(0)
   model, batch = _backbone(name), _batch(name)
