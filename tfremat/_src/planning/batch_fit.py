@@ -1,15 +1,17 @@
 """The largest batch whose training step fits a memory size, and the model to
 train at it: `tfremat.largest_batch`.
 
-A step's peak grows about linearly with the batch. Rematerializing every
-layer (or block) is found first, from a line through two measured batches
-and a few checks near where it meets the memory; the planner is then asked
-for the memory at that batch, once, and at a larger one where its plan left
-room; at the largest batch any of them fits, the ones that fit are timed and
-the fastest per example is returned. Every candidate is judged by the same
-rule as a planned budget: its bound (`tfremat.planner.Measured`: the largest
-peak of `Settings.check_calls` steps, plus their spread, plus the reserve)
-within the memory.
+A step's peak grows about linearly with the batch. The ways that peak lowest
+(every layer rematerialized; the planner's lowest plan, nested too) are each
+measured at two batches, and a few calls near where each one's line meets
+the memory find about its largest batch. At the largest batch found, the
+ways that came near it are checked as a planned budget is (lower, where none
+fits); the ones that fit are timed and the fastest per example is returned.
+Every way is judged by the same rule as a planned budget: its bound
+(`tfremat.planner.Measured`: the largest peak of `Settings.check_calls`
+steps, plus their spread, plus the reserve) within the memory, on a step
+traced for that batch, as a step called on tensors of one shape is (a step
+traced for any batch size can peak lower).
 """
 
 import dataclasses
@@ -47,7 +49,8 @@ __all__ = [
 class BatchTrial:
   """One measurement of `largest_batch`: a way of training ("none",
   "full", the planner's "lowest" plan or that plan "nested") at a batch,
-  its bound (a `tfremat.planner.Measured`), and whether it fits."""
+  its bound over every call measured there so far (a
+  `tfremat.planner.Measured`), and whether it fits."""
   way: str
   batch: int
   measured: object
@@ -136,10 +139,13 @@ def largest_batch(model, memory, sample_input, *, multiple=None,
   and the plan the planner predicts to peak lowest, on the layers' costs
   measured at the sample's batch, nested too where the layers have layers
   of their own (`tfremat.planner`). Where each one's line meets `memory`, a
-  few single calls find the largest batch it fits. At the largest batch of
-  all, every way that fits there (keeping everything too, where it does) is
-  checked as a planned budget is, and timed, and the fastest per example is
-  returned. At that batch the memory leaves no room for a plan that keeps
+  few calls find about the largest batch it fits, on a step traced once for
+  any batch size. At the largest batch of all, every way whose search came
+  within 4% of it (keeping everything too, where its line nearly reaches
+  it) is checked as a planned budget is, on a step traced for that batch
+  (a step traced for any batch size can peak lower: 0.88x on the bench's
+  MLP); where none fits, at a batch a little lower. Those that fit are
+  timed, and the fastest per example is returned. At that batch the memory leaves no room for a plan that keeps
   more: the planner would choose among the same lowest plans. The batch is
   the largest to about 2% (or to `multiple`, when that is coarser): peaks
   move by a few percent from call to call, so finer is not meaningful.
@@ -204,6 +210,7 @@ class _BatchSearch:
     self.first = int(tf.nest.flatten(sample_input)[0].shape[0])
     self.progress = measure.progress_bar(12, "measurement", verbose == 1)
     self.trials = []
+    self.peaks = {}  # (way, batch) -> the peaks of every call there.
     self.start = time.perf_counter()
 
   def note(self, line):
@@ -212,18 +219,32 @@ class _BatchSearch:
             f"({time.perf_counter() - self.start:.0f} s)", flush=True)
 
   def bound_at(self, way, batch, calls=1):
-    """The way's `Measured` at `batch`, over `calls` calls."""
-    x = resized(self.sample_input, batch)
-    measured = search.Measured.of(
-        measure.peaks(self.ways.step(way), x, calls=calls,
-                      warmup=self.ways.warm(way, batch)),
-        self.settings.reserve)
+    """The way's `Measured` at `batch` after `calls` more calls there: over
+    every call measured at that batch."""
+    peaks = self.peaks.setdefault((way, batch), [])
+    peaks += self.ways.peaks(way, resized(self.sample_input, batch), calls)
+    measured = search.Measured.of(peaks, self.settings.reserve)
     fits = measured.bound_bytes <= self.memory_bytes
     self.trials.append(BatchTrial(way, batch, measured, fits))
     self.note(f"{way} at batch {batch}: bound "
-              f"{units.format_bytes(measured.bound_bytes)} over {calls} "
-              f"call(s), {'fits' if fits else 'over'}")
+              f"{units.format_bytes(measured.bound_bytes)} over "
+              f"{len(peaks)} call(s), {'fits' if fits else 'over'}")
     _advance(self.progress)
+    return measured
+
+  def checked(self, way, batch):
+    """The way's `Measured` at `batch` over `settings.check_calls` calls,
+    as a planned budget is checked: a few first, and the rest only if
+    those fit."""
+    calls = self.settings.check_calls
+    done = self.peaks.get((way, batch), [])
+    if len(done) < min(3, calls):
+      measured = self.bound_at(way, batch, calls=min(3, calls) - len(done))
+    else:
+      measured = search.Measured.of(done, self.settings.reserve)
+    if measured.bound_bytes <= self.memory_bytes and len(done) < calls:
+      measured = self.bound_at(way, batch,
+                               calls=calls - len(self.peaks[(way, batch)]))
     return measured
 
   def run(self, multiple, timing_rounds):
@@ -241,18 +262,20 @@ class _BatchSearch:
     top = max(reach[w] for w in lowest)
     if multiple is None:
       multiple = 1 << max(0, int(np.log2(max(1.0, 0.01 * top))))
-    found = {}  # Way -> (batch, its Measured over check_calls).
+    found = {}  # Way -> the largest batch found to fit.
     for way in lowest:
       if reach[way] >= 0.9 * top:  # Else its line meets the memory well
         found[way] = _largest_of(  # below another's.
-            way, reach[way], self.bound_at, self.memory_bytes, multiple,
-            self.settings.check_calls)
-    batch = max((b for b, _ in found.values()), default=0)
-    measured = {w: m for w, (b, m) in found.items() if b == batch and batch}
+            way, reach[way], self.bound_at, self.memory_bytes, multiple)
+    batch = max(found.values(), default=0)
+    # Each way's search ends within about 2% of its largest batch: those
+    # that ended near `batch` are judged there too (and keeping everything,
+    # where its line nearly reaches it), so the ways that fit it are timed
+    # against each other rather than chosen by where their searches stopped.
+    near = [w for w, b in found.items() if batch and b >= 0.96 * batch]
     if batch and reach["none"] >= 0.95 * batch:
-      none = self.bound_at("none", batch, calls=self.settings.check_calls)
-      if none.bound_bytes <= self.memory_bytes:
-        measured["none"] = none
+      near.append("none")
+    batch, measured = self.held(near, batch, multiple)
     chosen, speed = self.fastest(batch, measured, timing_rounds)
     _finish(self.progress)
     return LargestBatch(
@@ -262,6 +285,22 @@ class _BatchSearch:
         measured.get(chosen), self.memory_bytes, speed, tuple(self.trials),
         time.perf_counter() - self.start)
 
+  def held(self, ways, batch, multiple):
+    """(batch, {way: Measured}): `batch`, or where none fits the largest
+    below it aimed at from their bounds, with each of `ways` that fits
+    there over `settings.check_calls` calls."""
+    for _ in range(4):
+      if batch < 1 or not ways:
+        break
+      checks = {way: self.checked(way, batch) for way in ways}
+      fitting = {w: m for w, m in checks.items()
+                 if m.bound_bytes <= self.memory_bytes}
+      if fitting:
+        return batch, fitting
+      batch = min(max(_aimed(batch, m, self.memory_bytes, multiple)
+                      for m in checks.values()), batch - multiple)
+    return 0, {}
+
   def fastest(self, batch, measured, timing_rounds):
     """(the way that trains fastest per example at `batch` of those in
     `measured`, its examples per second when several were timed)."""
@@ -269,36 +308,40 @@ class _BatchSearch:
       return next(iter(measured), None), None
     ways = list(measured)
     times = measure.median_seconds(
-        [self.ways.step(w) for w in ways], resized(self.sample_input, batch),
-        repeats=timing_rounds)
+        [self.ways.step(w) for w in ways],
+        resized(self.sample_input, batch), repeats=timing_rounds)
     self.note(f"timed at batch {batch}: " + ", ".join(
         f"{w} {1000 * t:.0f} ms" for w, t in zip(ways, times)))
     return ways[int(np.argmin(times))], batch / min(times)
 
 
-def _largest_of(way, reach, bound_at, memory_bytes, multiple, check_calls):
-  """(batch, Measured): about the largest batch (to a multiple, or 2%) at
-  which `way`'s bound over `check_calls` calls fits, starting where its line
-  meets the memory (`reach`). One probe of three calls there, then checks
-  of `check_calls` calls, each aimed where the memory is in proportion to
-  the last bound, a little below; (0, None) if even a batch of one does
-  not fit."""
-  def aimed(batch, measured):
-    scaled = batch * memory_bytes / max(1, measured.bound_bytes) * 0.99
-    return max(multiple, int(scaled) // multiple * multiple)
+def _aimed(batch, measured, memory_bytes, multiple):
+  """The batch (a multiple) at which a bound in proportion to `measured`'s
+  at `batch` is a little below the memory."""
+  scaled = batch * memory_bytes / max(1, measured.bound_bytes) * 0.99
+  return max(multiple, int(scaled) // multiple * multiple)
 
+
+def _largest_of(way, reach, bound_at, memory_bytes, multiple):
+  """About the largest batch (to a multiple, or 2%) at which `way`'s bound
+  over a few calls fits, starting where its line meets the memory
+  (`reach`): a probe there, then checks, each aimed where the memory is in
+  proportion to the last bound, a little below; 0 if even a batch of one
+  does not fit."""
   batch = max(multiple, int(reach) // multiple * multiple)
-  batch = aimed(batch, bound_at(way, batch, calls=3))
-  best = (0, None)
+  batch = _aimed(batch, bound_at(way, batch, calls=3), memory_bytes,
+                 multiple)
+  best = 0
   for _ in range(3):
-    measured = bound_at(way, batch, calls=check_calls)
+    measured = bound_at(way, batch, calls=3)
     if measured.bound_bytes <= memory_bytes:
-      best = max(best, (batch, measured), key=lambda b: b[0])
-      following = aimed(batch, measured)
+      best = max(best, batch)
+      following = _aimed(batch, measured, memory_bytes, multiple)
       if following < batch * 1.02 or following <= batch:
         break  # Within 2% of where the memory is: close enough.
     else:
-      following = min(aimed(batch, measured), batch - multiple)
+      following = min(_aimed(batch, measured, memory_bytes, multiple),
+                      batch - multiple)
       if following < 1:
         break
     if following == batch:
@@ -369,7 +412,7 @@ class _Ways:
     self.costs = None
     self._first = None
     self._steps = {}
-    self._warm = {}
+    self._sizes = {}
 
   def add_planned(self, sample_input):
     """Measures the layers' costs at the sample's batch, and adds the
@@ -402,21 +445,22 @@ class _Ways:
       self.names.append(name)
 
   def step(self, way):
-    """A training step of the way, traced once for every batch size after
-    the second."""
+    """A training step of the way, traced for each batch size it is called
+    with, as a step called on tensors of one shape is."""
     if way not in self._steps:
-      self._steps[way] = chain_measure.training_step(self.made[way],
-                                                     relaxed=True)
+      self._steps[way] = chain_measure.training_step(self.made[way])
     return self._steps[way]
 
-  def warm(self, way, batch):
-    """Whether to call the step once unmeasured before measuring it at
-    `batch`: at its first two batch sizes, each of which traces it (then
-    it is traced for any size)."""
-    sizes = self._warm.setdefault(way, set())
-    first_time = batch not in sizes and len(sizes) < 2
+  def peaks(self, way, x, calls):
+    """The step's peaks over `calls` calls on `x` (none for 0), after one
+    call unmeasured at a batch size new to it, which traces it."""
+    if not calls:
+      return []
+    batch = int(tf.nest.flatten(x)[0].shape[0])
+    sizes = self._sizes.setdefault(way, set())
+    warm = batch not in sizes
     sizes.add(batch)
-    return first_time
+    return measure.peaks(self.step(way), x, calls=calls, warmup=warm)
 
   def method(self, way):
     return "planner" if way in self.plans else way

@@ -1,0 +1,104 @@
+"""tfremat.largest_batch: the batch it returns fits the memory on the
+training step a user traces for that batch, and the way it returns is the
+fastest of those that fit there."""
+
+import keras
+import pytest
+import tensorflow as tf
+
+import tfremat
+from tfremat import chain
+from tfremat import measure
+from tfremat import planner
+from tfremat._src.planning import batch_fit
+
+
+def _residual_mlp(blocks=4, width=64, hidden=256):
+  keras.utils.set_random_seed(0)
+  x = inputs = keras.Input((width,))
+  for _ in range(blocks):
+    x = x + keras.layers.Dense(width)(
+        keras.layers.Dense(hidden, activation="gelu")(x))
+  return keras.Model(inputs, keras.layers.Dense(10)(x))
+
+
+def test_the_batch_found_fits_on_a_step_traced_for_that_batch():
+  # largest_batch searches on steps traced once for any batch size, which
+  # can peak lower than a step traced for one batch (a tf.function called
+  # on tensors of one shape, as Keras's fit traces when the data divides
+  # into batches): its answer is judged on the latter.
+  sample = tf.random.normal([64, 64])
+  found = tfremat.largest_batch(_residual_mlp(), "16MiB", sample,
+                                verbose=0)
+  assert found.batch > 0, found
+  step = chain.training_step(found.model)
+  peaks = measure.peaks(step, batch_fit.resized(sample, found.batch),
+                        calls=3)
+  bound = planner.Measured.of(peaks, planner.DEFAULT_SETTINGS.reserve)
+  assert bound.bound_bytes <= found.memory_bytes, (found, peaks)
+  assert max(peaks) <= found.measured.peak_bytes * 1.01, (found, peaks)
+
+
+class _Step:
+  """A stand-in for a way's training step: its peak at a batch, and how
+  long a call takes."""
+
+  def __init__(self, bound_line, seconds):
+    self.bound_line, self.seconds = bound_line, seconds
+
+  def peak(self, batch):
+    # Peaks whose bound (peak plus the 5% reserve) is bound_line(batch).
+    return int(self.bound_line(batch) / 1.05)
+
+
+class _Ways:
+  """Stands in for largest_batch's ways of training: every layer
+  rematerialized ("full"), the planner's plan nested ("nested"), and
+  keeping everything ("none"), with the peaks and speeds given."""
+
+  def __init__(self, steps):
+    self.steps = steps
+    self.names = list(steps)
+    self.plans = {"nested": None}
+
+  def add_planned(self, sample_input):
+    del sample_input
+
+  def step(self, way):
+    return self.steps[way]
+
+  def warm(self, way, batch):
+    del way, batch
+    return False
+
+  def peaks(self, way, x, calls):
+    return [self.steps[way].peak(int(x.shape[0]))] * calls
+
+  def method(self, way):
+    return "planner" if way in self.plans else way
+
+  def result(self, way, batch, memory_bytes, measured):
+    del batch, memory_bytes, measured
+    return way
+
+
+def test_ways_whose_search_stopped_just_short_are_timed_at_the_batch(
+    monkeypatch):
+  # As on ResNet50 at 512 MiB: every layer rematerialized fits 190 but its
+  # search stops at 188 (within 2% of the memory); the nested plan's stops
+  # at 190. Both fit 190, and the faster of them per example is returned,
+  # not the one whose search happened to end there.
+  steps = {"none": _Step(lambda b: 20 * b, 0.5),
+           "full": _Step(lambda b: 5.25 * b, 1.0),
+           "nested": _Step(lambda b: 5.25 * b - 10, 1.5)}
+  monkeypatch.setattr(batch_fit, "_Ways", lambda *args: _Ways(steps))
+  monkeypatch.setattr(
+      batch_fit.measure, "peaks",
+      lambda step, x, calls, warmup: [step.peak(int(x.shape[0]))] * calls)
+  monkeypatch.setattr(batch_fit.measure, "median_seconds",
+                      lambda fns, x, repeats: [f.seconds for f in fns])
+  found = tfremat.largest_batch([], 1000, tf.zeros([8, 1]), multiple=2,
+                                verbose=0)
+  assert (found.batch, found.method, found.model) == (190, "full", "full"), (
+      found, [(t.way, t.batch, t.fits) for t in found.trials])
+  assert found.examples_per_second == 190 / 1.0
