@@ -660,8 +660,8 @@ step ms: the median over {steps} rounds, each calling every row's step once,
   chose no layer, and the step is the original's.
 budget: remat_model(model, budget=..., sample_input=batch); the note gives
   the seconds that call took, and its plan's measured bound as a fraction
-  of the original's peak (peak, spread of its calls and the allocator
-  margin), or the lowest bound it found when it refused."""
+  of the original's peak (its largest peak, plus the spread of its calls,
+  plus the reserve), or the lowest bound it found when it refused."""
 
 
 def measure_whole_model(name, budget=0.5, rounds=5):

@@ -19,7 +19,7 @@ batch:
 
 Every row's batch is judged by one rule, a planned budget's: its bound (the
 largest peak of `Settings.check_calls` steps, plus their spread, plus the
-reserve) within the memory.
+reserve) within the memory, on a step traced for that batch.
 
 Models: the benchmark's MLP and transformer blocks (as a chain, as the sweep
 runs them), a 4-layer KerasHub GPT2Backbone (random weights) and
@@ -154,7 +154,9 @@ def _chain_methods(name, memory_bytes, blocks, width):
       Method("keras.RematScope", scoped),
       Method("tfremat full", lambda b: (tfremat.RematSequential(
           layers, segments(True)), inputs(b)))]
-  for p in policies.PLANNED:
+  # The policy that keeps least first: it fits the largest batch, and the
+  # others are searched only where they fit that too.
+  for p in reversed(policies.PLANNED):
     found.append(Method(f"tfremat policy {policies.short_name(p)}",
                         lambda b, p=p: (tfremat.RematSequential(
                             layers, segments(True, p)), inputs(b))))
@@ -174,7 +176,7 @@ def _whole_methods(name, memory_bytes):
       Method("keras.RematScope", scoped),
       Method("tfremat full", lambda b: (tfremat.remat_model(model, "full"),
                                         inputs(b)))]
-  for p in policies.PLANNED:
+  for p in reversed(policies.PLANNED):  # As for a chain.
     found.append(Method(
         f"tfremat policy {policies.short_name(p)}",
         lambda b, p=p: (tfremat.remat_model(model, "full", policy=p),
@@ -193,6 +195,8 @@ def _bound_at(method, cache, memory_bytes, settings):
   `_Failed`: a smaller batch would fail the same way."""
 
   def bound(batch):
+    if batch in cache:
+      return cache[batch][2].bound_bytes
     try:
       layer, x = method.make(batch)
       step = chain.training_step(layer)
@@ -234,15 +238,27 @@ def measure_model(name, memory_bytes, rounds=5, blocks=None, width=None,
   rows = []
   with chain.retracing_quiet(), warnings.catch_warnings():
     warnings.simplefilter("ignore")
+    best_policy = 0  # The largest batch a policy's row fit so far.
     for method in methods(name, memory_bytes, blocks, width):
       cache, note = {}, ""
       start = time.perf_counter()
+      bound = _bound_at(method, cache, memory_bytes, settings)
+      first = _FIRST.get(name, 8)
+      policy = method.name.startswith("tfremat policy")
       try:
+        if policy and best_policy:
+          # Only the policy that fits the largest batch is shown: one that
+          # does not fit the best so far is not searched further.
+          first = best_policy
+          at_best = bound(best_policy)
+          if at_best is None or at_best > memory_bytes:
+            raise _Failed(f"does not fit {best_policy}")
         batch, probes = batch_fit.search_batch(
-            _bound_at(method, cache, memory_bytes, settings), memory_bytes,
-            _FIRST.get(name, 8), _MULTIPLE.get(name, 2))
+            bound, memory_bytes, first, _MULTIPLE.get(name, 2))
+        if policy:
+          best_policy = max(best_policy, batch)
       except _Failed as e:
-        batch, probes, note = 0, {}, str(e)
+        batch, probes, note = 0, dict.fromkeys(cache), str(e)
       row = {"model": name, "method": method.name, "batch": batch,
              "probes": len(probes),
              "search_seconds": time.perf_counter() - start,
@@ -320,12 +336,13 @@ LEGEND = """\
 batch: the largest batch whose training step (the gradient of the sum of
   the squared outputs) fits the memory, searched in multiples of the
   model's step; x none: its ratio to the `none` row's. Every row is judged
-  as a planned budget is: its bound (bound MiB: the largest peak of
-  {check_calls} steps, plus their spread, plus the {reserve:.0%} reserve)
-  within the memory. peak MiB: the largest of those peaks (the tensors'
-  bytes, as tfremat.measure.peak_bytes counts them). examples/s: the batch
-  over the median step time at it ({rounds} rounds, every row once per
-  round, in shuffled order); x none: per example, against `none`'s.
+  as a planned budget is, on a step traced for that batch: its bound
+  (bound MiB: the largest peak of {check_calls} steps, plus their spread,
+  plus the {reserve:.0%} reserve) within the memory. peak MiB: the largest
+  of those peaks (the tensors' bytes, as tfremat.measure.peak_bytes counts
+  them). examples/s: the batch over the median step time at it ({rounds}
+  rounds, every row once per round, in shuffled order); x none: per
+  example, against `none`'s.
 keras.RematScope: the model built inside keras.RematScope(mode="full"),
   which runs each layer through tf.recompute_grad. tfremat policy: every
   block (or remat_model(model, "full", policy=...)) under the built-in
