@@ -139,22 +139,23 @@ def largest_batch(model, memory, sample_input, *, multiple=None,
   and the plan the planner predicts to peak lowest, on the layers' costs
   measured at the sample's batch, nested too where the layers have layers
   of their own (`tfremat.planner`). Where each one's line meets `memory`, a
-  few calls find about the largest batch it fits, on a step traced once for
-  any batch size. At the largest batch of all, every way whose search came
-  within 4% of it (keeping everything too, where its line nearly reaches
-  it) is checked as a planned budget is, on a step traced for that batch
-  (a step traced for any batch size can peak lower: 0.88x on the bench's
-  MLP); where none fits, at a batch a little lower. Those that fit are
-  timed, and the fastest per example is returned. At that batch the memory leaves no room for a plan that keeps
-  more: the planner would choose among the same lowest plans. The batch is
+  few calls find about the largest batch it fits. At the largest batch of
+  all, every way whose search came within 4% of it (keeping everything
+  too, where its line nearly reaches it) is checked as a planned budget
+  is; where none fits, at a batch a little lower. Those that fit are
+  timed, and the fastest per example is returned. At that batch the memory
+  leaves no room for a plan that keeps more: the planner would choose
+  among the same lowest plans. The batch is
   the largest to about 2% (or to `multiple`, when that is coarser): peaks
   move by a few percent from call to call, so finer is not meaningful.
 
   Every way is judged as a planned budget is: its bound (the largest peak
   of `settings.check_calls` steps, plus their spread, plus the reserve)
-  within `memory`. A step's peak is what `tfremat.measure.peak_bytes`
-  counts: the tensors a training step allocates, beyond the weights and the
-  batch.
+  within `memory`, on a step traced for that batch, as a `tf.function`
+  called on tensors of one shape is (one traced for any batch size peaked
+  0.88x of that on the bench's MLP). A step's peak is what
+  `tfremat.measure.peak_bytes` counts: the tensors a training step
+  allocates, beyond the weights and the batch.
 
   Args:
     model: a built `keras.Sequential` or functional `keras.Model` (a
