@@ -65,10 +65,6 @@ class _Ways:
   def step(self, way):
     return self.steps[way]
 
-  def warm(self, way, batch):
-    del way, batch
-    return False
-
   def peaks(self, way, x, calls):
     return [self.steps[way].peak(int(x.shape[0]))] * calls
 
@@ -80,21 +76,31 @@ class _Ways:
     return way
 
 
-def test_ways_whose_search_stopped_just_short_are_timed_at_the_batch(
-    monkeypatch):
-  # As on ResNet50 at 512 MiB: every layer rematerialized fits 190 but its
-  # search stops at 188 (within 2% of the memory); the nested plan's stops
-  # at 190. Both fit 190, and the faster of them per example is returned,
-  # not the one whose search happened to end there.
-  steps = {"none": _Step(lambda b: 20 * b, 0.5),
-           "full": _Step(lambda b: 5.25 * b, 1.0),
-           "nested": _Step(lambda b: 5.25 * b - 10, 1.5)}
+def _patched(monkeypatch, steps):
   monkeypatch.setattr(batch_fit, "_Ways", lambda *args: _Ways(steps))
-  monkeypatch.setattr(
-      batch_fit.measure, "peaks",
-      lambda step, x, calls, warmup: [step.peak(int(x.shape[0]))] * calls)
   monkeypatch.setattr(batch_fit.measure, "median_seconds",
                       lambda fns, x, repeats: [f.seconds for f in fns])
+
+
+def test_the_batch_is_the_largest_multiple_that_fits(monkeypatch):
+  # Every layer rematerialized fits 190 (a bound of 997.5 of 1000), not
+  # 192: the search ends there, not within a few percent of it.
+  _patched(monkeypatch, {"none": _Step(lambda b: 20 * b, 0.5),
+                         "full": _Step(lambda b: 5.25 * b, 1.0),
+                         "nested": _Step(lambda b: 6 * b, 1.5)})
+  found = tfremat.largest_batch([], 1000, tf.zeros([8, 1]), multiple=2,
+                                verbose=0)
+  assert (found.batch, found.method) == (190, "full"), (
+      found, [(t.way, t.batch, t.fits) for t in found.trials])
+
+
+def test_the_ways_that_fit_the_batch_are_timed_against_each_other(
+    monkeypatch):
+  # Both fit 190 and neither 192: the faster per example is returned,
+  # whichever search ended there first.
+  _patched(monkeypatch, {"none": _Step(lambda b: 20 * b, 0.5),
+                         "full": _Step(lambda b: 5.25 * b, 1.0),
+                         "nested": _Step(lambda b: 5.25 * b - 0.5, 1.5)})
   found = tfremat.largest_batch([], 1000, tf.zeros([8, 1]), multiple=2,
                                 verbose=0)
   assert (found.batch, found.method, found.model) == (190, "full", "full"), (

@@ -3,10 +3,11 @@ train at it: `tfremat.largest_batch`.
 
 A step's peak grows about linearly with the batch. The ways that peak lowest
 (every layer rematerialized; the planner's lowest plan, nested too) are each
-measured at two batches, and a few calls near where each one's line meets
-the memory find about its largest batch. At the largest batch found, the
-ways that came near it are checked as a planned budget is (lower, where none
-fits); the ones that fit are timed and the fastest per example is returned.
+measured at two batches, and probes of a few calls from where each one's
+line meets the memory find its largest batch (to a multiple). At the
+largest batch found, the ways that came near it are checked as a planned
+budget is (lower, where none fits); the ones that fit are timed and the
+fastest per example is returned.
 Every way is judged by the same rule as a planned budget: its bound
 (`tfremat.planner.Measured`: the largest peak of `Settings.check_calls`
 steps, plus their spread, plus the reserve) within the memory, on a step
@@ -138,16 +139,16 @@ def largest_batch(model, memory, sample_input, *, multiple=None,
   rematerialized (`remat_model(model, "full")`, or every block of a chain),
   and the plan the planner predicts to peak lowest, on the layers' costs
   measured at the sample's batch, nested too where the layers have layers
-  of their own (`tfremat.planner`). Where each one's line meets `memory`, a
-  few calls find about the largest batch it fits. At the largest batch of
-  all, every way whose search came within 4% of it (keeping everything
-  too, where its line nearly reaches it) is checked as a planned budget
-  is; where none fits, at a batch a little lower. Those that fit are
-  timed, and the fastest per example is returned. At that batch the memory
-  leaves no room for a plan that keeps more: the planner would choose
-  among the same lowest plans. The batch is
-  the largest to about 2% (or to `multiple`, when that is coarser): peaks
-  move by a few percent from call to call, so finer is not meaningful.
+  of their own (`tfremat.planner`). From where each one's line meets
+  `memory`, probes of a few calls find the largest batch it fits (each
+  where the line through the two probes nearest the memory meets it). At
+  the largest batch of all, every way whose search came within 4% of it
+  (keeping everything too, where its line nearly reaches it) is checked as
+  a planned budget is; where none fits, at a batch a little lower. Those
+  that fit are timed, and the fastest per example is returned. At that
+  batch the memory leaves no room for a plan that keeps more: the planner
+  would choose among the same lowest plans. The batch is the largest
+  multiple of `multiple` that fits.
 
   Every way is judged as a planned budget is: its bound (the largest peak
   of `settings.check_calls` steps, plus their spread, plus the reserve)
@@ -266,13 +267,12 @@ class _BatchSearch:
     found = {}  # Way -> the largest batch found to fit.
     for way in lowest:
       if reach[way] >= 0.9 * top:  # Else its line meets the memory well
-        found[way] = _largest_of(  # below another's.
-            way, reach[way], self.bound_at, self.memory_bytes, multiple)
+        found[way] = self.largest_of(way, reach[way], multiple)  # below.
     batch = max(found.values(), default=0)
-    # Each way's search ends within about 2% of its largest batch: those
-    # that ended near `batch` are judged there too (and keeping everything,
-    # where its line nearly reaches it), so the ways that fit it are timed
-    # against each other rather than chosen by where their searches stopped.
+    # A way's few calls can fit where its checks do not: the ways whose
+    # search ended near `batch` are judged there too (and keeping
+    # everything, where its line nearly reaches it), and the ways that fit
+    # it are timed against each other.
     near = [w for w, b in found.items() if batch and b >= 0.96 * batch]
     if batch and reach["none"] >= 0.95 * batch:
       near.append("none")
@@ -286,6 +286,26 @@ class _BatchSearch:
         measured.get(chosen), self.memory_bytes, speed, tuple(self.trials),
         time.perf_counter() - self.start)
 
+  def largest_of(self, way, reach, multiple):
+    """The largest multiple of `multiple` at which `way`'s bound over a few
+    calls fits, searched from where its line meets the memory (`reach`),
+    each probe where the line through the two nearest the memory meets it;
+    0 if even `multiple` does not fit."""
+    known = {b: search.Measured.of(p, self.settings.reserve).bound_bytes
+             for (w, b), p in self.peaks.items() if w == way}
+    batch, _ = search_batch(
+        lambda b: self.bound_at(way, b, calls=3).bound_bytes,
+        self.memory_bytes, max(multiple, int(reach)), multiple,
+        max_probes=6, known=known)
+    return batch
+
+  def over_at_or_below(self, way, batch):
+    """Whether `way` was measured over the memory at `batch` or below it
+    (and so does not fit `batch`)."""
+    return any(w == way and b <= batch and
+               search.Measured.of(p, self.settings.reserve).bound_bytes >
+               self.memory_bytes for (w, b), p in self.peaks.items())
+
   def held(self, ways, batch, multiple):
     """(batch, {way: Measured}): `batch`, or where none fits the largest
     below it aimed at from their bounds, with each of `ways` that fits
@@ -293,10 +313,11 @@ class _BatchSearch:
     for _ in range(4):
       if batch < 1 or not ways:
         break
-      checks = {way: self.checked(way, batch) for way in ways}
+      checks = {way: self.checked(way, batch) for way in ways
+                if not self.over_at_or_below(way, batch)}
       fitting = {w: m for w, m in checks.items()
                  if m.bound_bytes <= self.memory_bytes}
-      if fitting:
+      if fitting or not checks:
         return batch, fitting
       batch = min(max(_aimed(batch, m, self.memory_bytes, multiple)
                       for m in checks.values()), batch - multiple)
@@ -321,34 +342,6 @@ def _aimed(batch, measured, memory_bytes, multiple):
   at `batch` is a little below the memory."""
   scaled = batch * memory_bytes / max(1, measured.bound_bytes) * 0.99
   return max(multiple, int(scaled) // multiple * multiple)
-
-
-def _largest_of(way, reach, bound_at, memory_bytes, multiple):
-  """About the largest batch (to a multiple, or 2%) at which `way`'s bound
-  over a few calls fits, starting where its line meets the memory
-  (`reach`): a probe there, then checks, each aimed where the memory is in
-  proportion to the last bound, a little below; 0 if even a batch of one
-  does not fit."""
-  batch = max(multiple, int(reach) // multiple * multiple)
-  batch = _aimed(batch, bound_at(way, batch, calls=3), memory_bytes,
-                 multiple)
-  best = 0
-  for _ in range(3):
-    measured = bound_at(way, batch, calls=3)
-    if measured.bound_bytes <= memory_bytes:
-      best = max(best, batch)
-      following = _aimed(batch, measured, memory_bytes, multiple)
-      if following < batch * 1.02 or following <= batch:
-        break  # Within 2% of where the memory is: close enough.
-    else:
-      following = min(_aimed(batch, measured, memory_bytes, multiple),
-                      batch - multiple)
-      if following < 1:
-        break
-    if following == batch:
-      break
-    batch = following
-  return best
 
 
 def _line(bound_at, way, first):
