@@ -44,6 +44,9 @@ class _Step:
   def __init__(self, bound_line, seconds):
     self.bound_line, self.seconds = bound_line, seconds
 
+  def __call__(self, x):
+    del x
+
   def peak(self, batch):
     # Peaks whose bound (peak plus the 5% reserve) is bound_line(batch).
     return int(self.bound_line(batch) / 1.05)
@@ -68,6 +71,9 @@ class _Ways:
   def peaks(self, way, x, calls):
     return [self.steps[way].peak(int(x.shape[0]))] * calls
 
+  def warm(self, way, x):
+    del way, x
+
   def method(self, way):
     return "planner" if way in self.plans else way
 
@@ -79,7 +85,7 @@ class _Ways:
 def _patched(monkeypatch, steps):
   monkeypatch.setattr(batch_fit, "_Ways", lambda *args: _Ways(steps))
   monkeypatch.setattr(batch_fit.measure, "median_seconds",
-                      lambda fns, x, repeats: [f.seconds for f in fns])
+                      lambda fns, x, repeats, warmup: [f.seconds for f in fns])
 
 
 def test_the_batch_is_the_largest_multiple_that_fits(monkeypatch):
@@ -106,3 +112,18 @@ def test_the_ways_that_fit_the_batch_are_timed_against_each_other(
   assert (found.batch, found.method, found.model) == (190, "full", "full"), (
       found, [(t.way, t.batch, t.fits) for t in found.trials])
   assert found.examples_per_second == 190 / 1.0
+
+
+def test_a_slower_way_is_probed_once_above_the_batch_and_not_checked(
+    monkeypatch):
+  # "nested" peaks a little above "full" and is slower: after full's search
+  # ends at 190, nested is probed at 192 alone (over), timed at 190 and,
+  # full being faster and fitting, never measured there.
+  _patched(monkeypatch, {"none": _Step(lambda b: 20 * b, 0.5),
+                         "full": _Step(lambda b: 5.25 * b, 1.0),
+                         "nested": _Step(lambda b: 5.3 * b - 7, 1.5)})
+  found = tfremat.largest_batch([], 1000, tf.zeros([8, 1]), multiple=2,
+                                verbose=0)
+  assert (found.batch, found.method) == (190, "full")
+  nested = [(t.batch, t.fits) for t in found.trials if t.way == "nested"]
+  assert nested == [(8, True), (16, True), (192, False)], [(t.way, t.batch, t.fits) for t in found.trials]

@@ -4,10 +4,12 @@ train at it: `tfremat.largest_batch`.
 A step's peak grows about linearly with the batch. The ways that peak lowest
 (every layer rematerialized; the planner's lowest plan, nested too) are each
 measured at two batches, and probes of a few calls from where each one's
-line meets the memory find its largest batch (to a multiple). At the
-largest batch found, the ways that came near it are checked as a planned
-budget is (lower, where none fits); the ones that fit are timed and the
-fastest per example is returned.
+line meets the memory find its largest batch (to a multiple); every layer
+rematerialized first, and each way after it starts one multiple above the
+best batch so far. At
+the largest batch found, the ways that came near it are timed, and checked
+fastest first as a planned budget is (lower, where none fits): the first
+that fits is returned.
 Every way is judged by the same rule as a planned budget: its bound
 (`tfremat.planner.Measured`: the largest peak of `Settings.check_calls`
 steps, plus their spread, plus the reserve) within the memory, on a step
@@ -141,11 +143,14 @@ def largest_batch(model, memory, sample_input, *, multiple=None,
   measured at the sample's batch, nested too where the layers have layers
   of their own (`tfremat.planner`). From where each one's line meets
   `memory`, probes of a few calls find the largest batch it fits (each
-  where the line through the two probes nearest the memory meets it). At
-  the largest batch of all, every way whose search came within 4% of it
-  (keeping everything too, where its line nearly reaches it) is checked as
-  a planned budget is; where none fits, at a batch a little lower. Those
-  that fit are timed, and the fastest per example is returned. At that
+  where the line through the two probes nearest the memory meets it):
+  every layer rematerialized first, and each way after it first one
+  multiple above the largest batch found so far, and not further if it is
+  over there. At the
+  largest batch of all, every way whose search came within 4% of it
+  (keeping everything too, where its line nearly reaches it) is timed, and
+  checked fastest first as a planned budget is: the first that fits is
+  returned (where none fits, the same at a batch a little lower). At that
   batch the memory leaves no room for a plan that keeps more: the planner
   would choose among the same lowest plans. The batch is the largest
   multiple of `multiple` that fits.
@@ -264,39 +269,51 @@ class _BatchSearch:
     top = max(reach[w] for w in lowest)
     if multiple is None:
       multiple = 1 << max(0, int(np.log2(max(1.0, 0.01 * top))))
-    found = {}  # Way -> the largest batch found to fit.
-    for way in lowest:
+    found = {}  # Way -> the largest batch found to fit (or, for a way
+    # over one multiple above the best so far, that best: checked later).
+    # Every layer rematerialized first (it fits the most where no plan does
+    # better, and the lines of ways that peak alike can rank them wrongly),
+    # then the others, each from one multiple above the best so far.
+    for way in sorted(lowest, key=lambda w: (w != "full", -reach[w])):
       if reach[way] >= 0.9 * top:  # Else its line meets the memory well
-        found[way] = self.largest_of(way, reach[way], multiple)  # below.
+        found[way] = self.largest_of(  # below another's.
+            way, reach[way], multiple, max(found.values(), default=0))
     batch = max(found.values(), default=0)
-    # A way's few calls can fit where its checks do not: the ways whose
-    # search ended near `batch` are judged there too (and keeping
-    # everything, where its line nearly reaches it), and the ways that fit
-    # it are timed against each other.
+    # The ways that came near `batch` (and keeping everything, where its
+    # line nearly reaches it) are timed there, and checked fastest first
+    # as a planned budget is: the first that fits is returned.
     near = [w for w, b in found.items() if batch and b >= 0.96 * batch]
     if batch and reach["none"] >= 0.95 * batch:
       near.append("none")
-    batch, measured = self.held(near, batch, multiple)
-    chosen, speed = self.fastest(batch, measured, timing_rounds)
+    batch, chosen, measured, speed = self.held(near, batch, multiple,
+                                               timing_rounds)
     _finish(self.progress)
     return LargestBatch(
         batch if chosen else 0,
-        self.ways.result(chosen, batch, self.memory_bytes, measured[chosen])
+        self.ways.result(chosen, batch, self.memory_bytes, measured)
         if chosen else None, self.ways.method(chosen) if chosen else "none",
-        measured.get(chosen), self.memory_bytes, speed, tuple(self.trials),
+        measured, self.memory_bytes, speed, tuple(self.trials),
         time.perf_counter() - self.start)
 
-  def largest_of(self, way, reach, multiple):
+  def largest_of(self, way, reach, multiple, best=0):
     """The largest multiple of `multiple` at which `way`'s bound over a few
     calls fits, searched from where its line meets the memory (`reach`),
     each probe where the line through the two nearest the memory meets it;
-    0 if even `multiple` does not fit."""
+    0 if even `multiple` does not fit. Where another way fits `best`, the
+    first probe is one multiple above it, and if that is over, `best` is
+    returned unmeasured: whether the way fits there is for `held`."""
     known = {b: search.Measured.of(p, self.settings.reserve).bound_bytes
              for (w, b), p in self.peaks.items() if w == way}
+    first = max(multiple, int(reach))
+    if best:
+      first = best + multiple
+      known[first] = self.bound_at(way, first, calls=3).bound_bytes
+      if known[first] > self.memory_bytes:
+        return best
     batch, _ = search_batch(
-        lambda b: self.bound_at(way, b, calls=3).bound_bytes,
-        self.memory_bytes, max(multiple, int(reach)), multiple,
-        max_probes=6, known=known)
+        lambda b: (known[b] if b == first and best else
+                   self.bound_at(way, b, calls=3).bound_bytes),
+        self.memory_bytes, first, multiple, max_probes=6, known=known)
     return batch
 
   def over_at_or_below(self, way, batch):
@@ -306,35 +323,53 @@ class _BatchSearch:
                search.Measured.of(p, self.settings.reserve).bound_bytes >
                self.memory_bytes for (w, b), p in self.peaks.items())
 
-  def held(self, ways, batch, multiple):
-    """(batch, {way: Measured}): `batch`, or where none fits the largest
-    below it aimed at from their bounds, with each of `ways` that fits
-    there over `settings.check_calls` calls."""
+  def held(self, ways, batch, multiple, timing_rounds):
+    """(batch, way, its Measured, its examples per second or None): at
+    `batch`, or where none fits the largest below it aimed at from their
+    bounds, the fastest per example of `ways` that fits over
+    `settings.check_calls` calls. The ways are timed first (when there are
+    several) and checked fastest first, so the slower ones are not checked
+    when a faster one fits. (0, None, None, None) if none fits."""
     for _ in range(4):
       if batch < 1 or not ways:
         break
-      checks = {way: self.checked(way, batch) for way in ways
-                if not self.over_at_or_below(way, batch)}
-      fitting = {w: m for w, m in checks.items()
-                 if m.bound_bytes <= self.memory_bytes}
-      if fitting or not checks:
-        return batch, fitting
+      candidates = [w for w in ways if not self.over_at_or_below(w, batch)]
+      if not candidates:
+        break
+      speeds = self.timed(candidates, batch, timing_rounds)
+      checks = {}
+      for way in sorted(candidates, key=lambda w: -speeds.get(w, 0)):
+        if speeds and way not in speeds:
+          continue  # It ran out of memory at this batch.
+        checks[way] = self.checked(way, batch)
+        if checks[way].bound_bytes <= self.memory_bytes:
+          return batch, way, checks[way], speeds.get(way)
+      if not checks:
+        break
       batch = min(max(_aimed(batch, m, self.memory_bytes, multiple)
                       for m in checks.values()), batch - multiple)
-    return 0, {}
+    return 0, None, None, None
 
-  def fastest(self, batch, measured, timing_rounds):
-    """(the way that trains fastest per example at `batch` of those in
-    `measured`, its examples per second when several were timed)."""
-    if len(measured) < 2:
-      return next(iter(measured), None), None
-    ways = list(measured)
+  def timed(self, ways, batch, timing_rounds):
+    """{way: examples per second at `batch`} of `ways` when there are
+    several (else {}); a way whose step runs out of memory there is left
+    out."""
+    if len(ways) < 2:
+      return {}
+    x = resized(self.sample_input, batch)
+    running = []
+    for way in ways:
+      try:
+        self.ways.warm(way, x)
+        running.append(way)
+      except tf.errors.ResourceExhaustedError:
+        pass
     times = measure.median_seconds(
-        [self.ways.step(w) for w in ways],
-        resized(self.sample_input, batch), repeats=timing_rounds)
+        [self.ways.step(w) for w in running], x, repeats=timing_rounds,
+        warmup=False)
     self.note(f"timed at batch {batch}: " + ", ".join(
-        f"{w} {1000 * t:.0f} ms" for w, t in zip(ways, times)))
-    return ways[int(np.argmin(times))], batch / min(times)
+        f"{w} {1000 * t:.0f} ms" for w, t in zip(running, times)))
+    return {w: batch / t for w, t in zip(running, times)}
 
 
 def _aimed(batch, measured, memory_bytes, multiple):
@@ -450,11 +485,17 @@ class _Ways:
     call unmeasured at a batch size new to it, which traces it."""
     if not calls:
       return []
+    self.warm(way, x)
+    return measure.peaks(self.step(way), x, calls=calls, warmup=False)
+
+  def warm(self, way, x):
+    """Calls the way's step on `x` once, unmeasured, if its batch size is
+    new to the step (which traces it for that size)."""
     batch = int(tf.nest.flatten(x)[0].shape[0])
     sizes = self._sizes.setdefault(way, set())
-    warm = batch not in sizes
-    sizes.add(batch)
-    return measure.peaks(self.step(way), x, calls=calls, warmup=warm)
+    if batch not in sizes:
+      measure.wait_for(self.step(way)(x))
+      sizes.add(batch)
 
   def method(self, way):
     return "planner" if way in self.plans else way

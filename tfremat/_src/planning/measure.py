@@ -351,22 +351,24 @@ def wait_for(result):
       lambda t: np.asarray(t) if tf.is_tensor(t) else t, result)
 
 
-def median_seconds(fns, *args, repeats=5):
+def median_seconds(fns, *args, repeats=5, warmup=True):
   """Median seconds of each `fn(*args)` over `repeats` rounds; a list.
 
   Each round calls every fn once, in a shuffled order: drift in the
   machine's speed then touches all alike (timed one after another, two
   functions doing the same work differ), and no fn always follows
   the same one (and inherits, say, its allocator state). Each fn is called
-  once untimed first, to trace it.
+  once untimed first, to trace it (with `warmup`: pass False only for fns
+  already called with arguments of these shapes).
   """
-  return [float(np.median(t)) for t in seconds(fns, *args, repeats=repeats)]
+  return [float(np.median(t))
+          for t in seconds(fns, *args, repeats=repeats, warmup=warmup)]
 
 
-def seconds(fns, *args, repeats=5):
+def seconds(fns, *args, repeats=5, warmup=True):
   """Every timed call of `median_seconds`: per fn, a list of `repeats`
   seconds."""
-  for fn in fns:
+  for fn in fns if warmup else ():
     wait_for(fn(*args))
   times = [[] for _ in fns]
   order = np.random.default_rng(0)
