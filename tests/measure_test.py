@@ -175,6 +175,10 @@ def test_median_seconds_times_each_fn_in_every_round():
   assert [len(t) for t in times] == [4, 4]
   medians = measure.median_seconds([make("a")], 1, repeats=3)
   assert len(medians) == 1 and medians[0] >= 0
+  # Already called with these arguments: no untimed call.
+  calls.update(a=0)
+  medians = measure.median_seconds([make("a")], 1, repeats=3, warmup=False)
+  assert calls["a"] == 3 and len(medians) == 1
 
 
 def test_format_bytes_gives_mib():
