@@ -44,9 +44,6 @@ class _Step:
   def __init__(self, bound_line, seconds):
     self.bound_line, self.seconds = bound_line, seconds
 
-  def __call__(self, x):
-    del x
-
   def peak(self, batch):
     # Peaks whose bound (peak plus the 5% reserve) is bound_line(batch).
     return int(self.bound_line(batch) / 1.05)
@@ -126,4 +123,5 @@ def test_a_slower_way_is_probed_once_above_the_batch_and_not_checked(
                                 verbose=0)
   assert (found.batch, found.method) == (190, "full")
   nested = [(t.batch, t.fits) for t in found.trials if t.way == "nested"]
-  assert nested == [(8, True), (16, True), (192, False)], [(t.way, t.batch, t.fits) for t in found.trials]
+  assert nested == [(8, True), (16, True), (192, False)], (
+      [(t.way, t.batch, t.fits) for t in found.trials])
