@@ -79,20 +79,24 @@ class _Ways:
     return way
 
 
-def _patched(monkeypatch, steps):
+def _found(monkeypatch, nested):
+  """largest_batch at 1000 bytes, in multiples of 2, with stand-in ways:
+  keeping everything (bound 20 per example), every layer rematerialized
+  (5.25 per example, so 190 fits and 192 does not; 1 s a step) and the
+  nested plan `nested` (a _Step)."""
+  steps = {"none": _Step(lambda b: 20 * b, 0.5),
+           "full": _Step(lambda b: 5.25 * b, 1.0), "nested": nested}
   monkeypatch.setattr(batch_fit, "_Ways", lambda *args: _Ways(steps))
   monkeypatch.setattr(batch_fit.measure, "median_seconds",
                       lambda fns, x, repeats, warmup: [f.seconds for f in fns])
+  return tfremat.largest_batch([], 1000, tf.zeros([8, 1]), multiple=2,
+                               verbose=0)
 
 
 def test_the_batch_is_the_largest_multiple_that_fits(monkeypatch):
   # Every layer rematerialized fits 190 (a bound of 997.5 of 1000), not
   # 192: the search ends there, not within a few percent of it.
-  _patched(monkeypatch, {"none": _Step(lambda b: 20 * b, 0.5),
-                         "full": _Step(lambda b: 5.25 * b, 1.0),
-                         "nested": _Step(lambda b: 6 * b, 1.5)})
-  found = tfremat.largest_batch([], 1000, tf.zeros([8, 1]), multiple=2,
-                                verbose=0)
+  found = _found(monkeypatch, _Step(lambda b: 6 * b, 1.5))
   assert (found.batch, found.method) == (190, "full"), (
       found, [(t.way, t.batch, t.fits) for t in found.trials])
 
@@ -101,11 +105,7 @@ def test_the_ways_that_fit_the_batch_are_timed_against_each_other(
     monkeypatch):
   # Both fit 190 and neither 192: the faster per example is returned,
   # whichever search ended there first.
-  _patched(monkeypatch, {"none": _Step(lambda b: 20 * b, 0.5),
-                         "full": _Step(lambda b: 5.25 * b, 1.0),
-                         "nested": _Step(lambda b: 5.25 * b - 0.5, 1.5)})
-  found = tfremat.largest_batch([], 1000, tf.zeros([8, 1]), multiple=2,
-                                verbose=0)
+  found = _found(monkeypatch, _Step(lambda b: 5.25 * b - 0.5, 1.5))
   assert (found.batch, found.method, found.model) == (190, "full", "full"), (
       found, [(t.way, t.batch, t.fits) for t in found.trials])
   assert found.examples_per_second == 190 / 1.0
@@ -116,11 +116,7 @@ def test_a_slower_way_is_probed_once_above_the_batch_and_not_checked(
   # "nested" peaks a little above "full" and is slower: after full's search
   # ends at 190, nested is probed at 192 alone (over), timed at 190 and,
   # full being faster and fitting, never measured there.
-  _patched(monkeypatch, {"none": _Step(lambda b: 20 * b, 0.5),
-                         "full": _Step(lambda b: 5.25 * b, 1.0),
-                         "nested": _Step(lambda b: 5.3 * b - 7, 1.5)})
-  found = tfremat.largest_batch([], 1000, tf.zeros([8, 1]), multiple=2,
-                                verbose=0)
+  found = _found(monkeypatch, _Step(lambda b: 5.3 * b - 7, 1.5))
   assert (found.batch, found.method) == (190, "full")
   nested = [(t.batch, t.fits) for t in found.trials if t.way == "nested"]
   assert nested == [(8, True), (16, True), (192, False)], (
