@@ -7,9 +7,11 @@ import sys
 
 import pytest
 
-from tfremat import bench
 from tfremat import models
-from tfremat._src.planning import batch_fit
+from tfremat._src.api.largest_batch import search_batch
+from tfremat.bench import plot
+from tfremat.bench import schemes
+from tfremat.bench import tables
 
 # Small, but big enough that the allocator's peaks are not 0.
 _SMALL = ["--blocks=4", "--width=64", "--batch=512", "--steps=2"]
@@ -181,7 +183,7 @@ def test_whole_model_table_gives_ratios_to_each_models_original():
            step_seconds=1.2, first_call_seconds=1.5,
            note="planned in 9.0 s: bound 48%"),
   ]
-  lines = bench.format_whole_table(rows).splitlines()
+  lines = tables.format_whole_table(rows).splitlines()
   assert lines[0].split()[:4] == ["model", "variant", "peak", "MiB"]
   assert lines[2].split() == ["A", "original", "100.0", "1.00", "100.0",
                               "1.00", "2.00", "1.00"]
@@ -218,7 +220,7 @@ def test_whole_models_runs_every_mode_and_a_budget_on_a_cnn():
 def test_plot_labels_that_would_overlap_are_moved_apart():
   # Two labels side by side at nearly one height, a third far to the right.
   boxes = [(0, 100, 50), (10, 101, 50), (200, 100, 50)]
-  offsets = bench._label_offsets(boxes, height=9)
+  offsets = plot.label_offsets(boxes, height=9)
   assert offsets[0] == offsets[2] == 2  # Free places are kept.
   assert abs((101 + offsets[1]) - (100 + offsets[0])) >= 9
 
@@ -227,7 +229,7 @@ def test_a_scheme_beaten_on_both_axes_beyond_the_iqr_is_marked():
   def row(name, peak, p25, p75):
     return {"scheme": name, "peak_bytes": peak, "step_p25_seconds": p25,
             "step_p75_seconds": p75}
-  rows = bench.mark_dominated([
+  rows = schemes.mark_dominated([
       row("a", 100, 1.0, 1.1), row("b", 50, 1.2, 1.3),
       row("c", 80, 1.25, 1.4), row("d", 60, 1.05, 1.15),
       row("e", 90, 1.12, 1.2)])
@@ -266,10 +268,10 @@ def test_largest_batch_searches_to_one_multiple():
   # A step's peak grows along a line; the planner's (here: refusing above
   # 700) need not. The search ends at the largest multiple that fits.
   linear = lambda b: 1000 + 10 * b
-  batch, probes = batch_fit.search_batch(linear, 6000, 64, multiple=8)
+  batch, probes = search_batch(linear, 6000, 64, multiple=8)
   assert batch == 496 and linear(batch) <= 6000 < linear(batch + 8)
   assert len(probes) <= 5, probes
   refusing = lambda b: None if b > 700 else 1000 + b
-  batch, probes = batch_fit.search_batch(refusing, 10**6, 64, multiple=8,
+  batch, probes = search_batch(refusing, 10**6, 64, multiple=8,
                                          max_probes=20)
   assert batch == 696 and len(probes) <= 12, probes

@@ -11,7 +11,6 @@ import tensorflow as tf
 import tfremat
 from tfremat import measure
 from tfremat import builder
-from tfremat._src.planning import chain_plan
 from conftest import DEVICE_MODES, assert_trees_close, compile_step
 
 
@@ -263,7 +262,7 @@ def test_help_shows_every_helper():
   assert "Connects sub-layers sequentially." in text
 
 
-def test_a_budget_stack_runs_the_plan_as_it_was_measured(monkeypatch):
+def test_a_budget_stack_runs_the_plan_as_it_was_measured():
   # The builder used to rebuild a budget plan from its segments' ranges
   # and policy names: a plan that fit only ordered or nested ran unordered
   # and whole, and a user's own policy ran as the built-in of its name, or
@@ -277,12 +276,12 @@ def test_a_budget_stack_runs_the_plan_as_it_was_measured(monkeypatch):
   chosen = tfremat.planner.Plan(costs, [
       Segment(0, 1, True, None, True), Segment(1, 2, False),
       Segment(2, 3, True, own)], ordered=True)
-  monkeypatch.setattr(chain_plan, "checked_plan",
-                      lambda *args, **kwargs: chosen)
   b = _b()
-  stack = b._RematerializeSeq(
-      "stack", None, *[b._Block(f"block{i}", 8) for i in range(3)],
-      budget="50%", sample_input=_x(4, 8), policies=[own]).Instantiate()
+  # The Params _RematerializeSeq(budget=...) makes once it has planned.
+  stack = b._Layer(  # pylint: disable=protected-access
+      tfremat.lingvo.layers.PlannedSeqLayer, "stack",
+      sub=[b._Block(f"block{i}", 8) for i in range(3)],
+      plan=chosen).Instantiate()
   assert stack.plan is chosen
   layer = stack.chain
   assert layer.ordered and layer.gated

@@ -19,12 +19,12 @@ from tfremat import models
 from tfremat import planner
 from tfremat import policies
 from tfremat._src.keras_api import chain_layers
-from tfremat._src.planning import chain_measure
-from tfremat._src.planning import chain_plan
-from tfremat._src.planning import measure as measure_lib
+from tfremat._src.planning import budget as budget_lib
 from tfremat._src.planning import cost_model
+from tfremat._src.planning import profile
+from tfremat._src.planning.runner import Batch
 from conftest import DEVICE_MODES, assert_parity, assert_trees_close
-from conftest import random_costs, sample_chain
+from conftest import StandInRunner, random_costs, sample_chain
 
 
 @pytest.mark.parametrize("timed", [False, True], ids=["modelled", "timed"])
@@ -102,7 +102,7 @@ def test_measure_layer_measures_what_a_loop_keeps():
   lstm(x)
   traced = {}
   chain.training_step(lstm, traced=traced).get_concrete_function(x)
-  assert chain_measure._saved_bytes(traced) is None  # pylint: disable=protected-access
+  assert profile._saved_bytes(traced) is None  # pylint: disable=protected-access
   cost, _ = chain.measure_layer(lstm, x, repeats=1)
   # Per step at least the gates' activations (4 x 64 x 32 floats).
   assert cost.saved_bytes >= 16 * 4 * 64 * 32 * 4, cost
@@ -246,36 +246,27 @@ def test_rematerializing_every_layer_peaks_at_most_keeping_everything(name):
   if name == "residual_mlp":  # Here activations dominate: it saves much.
     assert max(peaks[every]) <= 0.5 * min(peaks[keep]), peaks
 
-def test_an_unreachable_fraction_names_the_lowest_and_what_dominates_it(
-    monkeypatch):
+def test_an_unreachable_fraction_names_the_lowest_and_what_dominates_it():
   # Six blocks whose weight gradients (3 MiB) are half of what keeping
   # everything peaks at or more: every plan's step ends holding them, and
   # every bound adds its reserve, so no plan's bound reaches 35% of that
   # peak. That is known once keeping everything is measured, before any
-  # layer is.
+  # layer is (the costs, asked for only after that, would raise).
   blocks, x = sample_chain("wide_hidden")
-  peaks = []
 
-  def measure_peaks(layer, x, calls, **kwargs):
-    peaks.append(layer.segments)
-    return measured_peaks(layer, x, calls, **kwargs)
-
-  def measure_layer(*args, **kwargs):
+  def costs():
     raise AssertionError("a layer was measured for a budget out of reach")
 
-  measured_peaks, chain_measure_layer = chain.measure_peaks, chain.measure_layer
-  monkeypatch.setattr(chain_plan, "measure_peaks", measure_peaks)
-  monkeypatch.setattr(chain_measure, "measure_layer", measure_layer)
   with pytest.raises(ValueError, match=(
       r"(?s)budget of 35% of the keep-everything peak.*the lowest bound any "
       r"plan can have is .* MiB, \d+% of the measured keep-everything peak"
-      r".*the weight gradients, 3.0 MiB")):
-    tfremat.remat_sequential(blocks, budget=0.35, sample_input=x, verbose=0)
-  assert peaks == [planner.keep_all(len(blocks))]
+      r".*the weight gradients, 3.0 MiB")) as refused:
+    chain.checked_plan(blocks, 0.35, x, costs=costs)
+  assert [t.candidate.segments for t in refused.value.search.trials] == [
+      tuple(planner.keep_all(len(blocks)))]
   # Where the gradients leave room (here they and the reserve are 13% of the
   # peak), the plans are measured before refusing, and the error gives the
   # lowest bound measured: rematerializing these layers saves nothing.
-  monkeypatch.setattr(chain_measure, "measure_layer", chain_measure_layer)
   blocks, x = sample_chain("tanh")
   with pytest.raises(ValueError, match=(
       r"(?s)budget of 20% of the keep-everything peak.*the lowest bound "
@@ -286,7 +277,7 @@ def test_an_unreachable_fraction_names_the_lowest_and_what_dominates_it(
       r"What every plan holds, by the cost model: ")):
     tfremat.remat_sequential(blocks, budget=0.2, sample_input=x, verbose=0)
 
-def _measured_on_a_fake_clock(monkeypatch, dropout, names):
+def _measured_on_a_fake_clock(dropout, names):
   """measure_layer's cost of a residual MLP block under the policies
   `names`, with a clock that gives the forward pass 1 s, the plain step 2 s
   and the policies' steps 10 s, 20 s, ... in order; and the steps timed."""
@@ -297,10 +288,10 @@ def _measured_on_a_fake_clock(monkeypatch, dropout, names):
     timed.extend(fns)
     return [1.0, 2.0] + [10.0 * (i + 1) for i in range(len(fns) - 2)]
 
-  monkeypatch.setattr(measure_lib, "median_seconds", fake_median_seconds)
   block = models.residual_mlp(1, 16, dropout=dropout, residual_inside=True)[0]
   x = tf.random.stateless_normal([8, 16], seed=[4, 4])
-  cost, _ = chain.measure_layer(block, x, repeats=3, policies=names)
+  cost, _ = chain.measure_layer(block, x, repeats=3, policies=names,
+                                clock=fake_median_seconds)
   return cost, timed
 
 
@@ -312,7 +303,7 @@ def test_policies_keeping_the_same_tensors_share_one_timing(monkeypatch):
   # layer this small real times clamp to 0 and two can be equal by chance).
   names = ("masks_saveable", "masks_and_softmax_saveable",
            "dots_and_masks_saveable")
-  cost, timed = _measured_on_a_fake_clock(monkeypatch, 0.3, names)
+  cost, timed = _measured_on_a_fake_clock(0.3, names)
   masks, masks_softmax, dots = (cost.policy_costs[policies.get(n)]
                                 for n in names)
   assert len(timed) == 4  # forward, plain step, masks, dots.
@@ -337,7 +328,7 @@ def test_a_policy_keeping_nothing_of_a_layer_costs_a_full_recompute(
   # one's (the forward time), not a timing of its own, which cost a trace
   # per layer while planning and could rank the two programs apart by noise.
   names = ("masks_saveable", "dots_saveable")
-  cost, timed = _measured_on_a_fake_clock(monkeypatch, 0.0, names)
+  cost, timed = _measured_on_a_fake_clock(0.0, names)
   assert len(timed) == 3  # forward, plain step, dots.
   assert cost.policy_costs[policies.masks_saveable] == [
       0, cost.forward_seconds]
@@ -425,14 +416,9 @@ def test_planning_unbuilt_layers_leaves_their_statistics_initial():
     (-5, ValueError, "must be positive"),
     (True, TypeError, "A budget is bytes as an int"),
     ([100], TypeError, "A budget is bytes as an int")])
-def test_bad_budgets_fail_before_anything_is_measured(
-    monkeypatch, given, error, match):
-  def measured(*args, **kwargs):
-    raise AssertionError("measured before the budget was checked")
-
-  monkeypatch.setattr(chain_measure, "measure_layer", measured)
-  monkeypatch.setattr(chain_plan, "measure_peaks", measured)
-  blocks = models.residual_mlp(2, 4, dropout=0.0, residual_inside=True)
+def test_bad_budgets_fail_before_anything_is_measured(given, error, match):
+  # A chain that raises if it is ever run, so measured.
+  blocks = [_Untouchable(), _Untouchable()]
   with pytest.raises(error, match=match):
     tfremat.remat_sequential(blocks, budget=given,
                              sample_input=np.ones([2, 4], "float32"))
@@ -440,18 +426,29 @@ def test_bad_budgets_fail_before_anything_is_measured(
     tfremat.builder.Base.Params().Instantiate()._RematerializeSeq(
         "s", None, budget=given, sample_input=np.ones([2, 4], "float32"))
 
-def test_checked_plan_shows_progress_without_escape_codes_in_a_log(
-    monkeypatch, capsys):
+class _Untouchable(keras.layers.Layer):
+  """A layer that fails the test if it is run."""
+
+  def call(self, x):
+    raise AssertionError("measured before the budget was checked")
+
+
+def test_checked_plan_shows_progress_without_escape_codes_in_a_log(capsys):
   costs = random_costs(np.random.default_rng(6), 8)
-  monkeypatch.setattr(chain_plan, "measure_peaks", lambda layer, x, calls, **_: [
-      int(planner.predict(costs, layer.segments)[0])])
+  runner = StandInRunner(
+      lambda c: int(planner.predict(costs, list(c.segments))[0]))
   layers = [keras.layers.Identity() for _ in costs]
-  budget = 0.5
-  chain.checked_plan(layers, budget, None, costs=costs, verbose=1)
+
+  def plan(verbose):
+    return budget_lib.plan_budget(
+        budget_lib.Chain(tuple(layers)), runner, Batch(tf.zeros([1, 1])),
+        0.5, costs=costs, verbose=verbose, fit_shapes=False)
+
+  plan(verbose=1)
   out = capsys.readouterr().out
   assert "measurement" in out, out
   assert "\x1b" not in out and "\r" not in out and "\b" not in out, repr(out)
-  chain.checked_plan(layers, budget, None, costs=costs)
+  plan(verbose=0)
   assert capsys.readouterr().out == ""
 
 def test_remat_sequential_accepts_a_keras_sequential():
@@ -476,27 +473,18 @@ def test_plan_prints_the_same_after_a_keras_file(tmp_path):
   assert loaded.segments == layer.segments
 
 
-def test_identical_layers_are_measured_once_and_share_their_costs(
-    monkeypatch):
-  measured = []
-  real = chain.measure_layer
-
-  def counting(layer, x, *args, **kwargs):
-    measured.append(layer.name)
-    return real(layer, x, *args, **kwargs)
-
-  monkeypatch.setattr(chain_measure, "measure_layer", counting)
+def test_identical_layers_are_measured_once_and_share_their_costs():
   # Four identical blocks (their dropout seeds differ, which changes no
-  # cost), then one of another width.
+  # cost), then one of another width: the four share one measurement's
+  # figures, times included, which two measurements would not give.
   blocks = models.residual_mlp(4, 16, dropout=0.1, residual_inside=True)
   other = keras.Sequential([keras.layers.Dense(24), keras.layers.Dense(16)])
   x = tf.random.stateless_normal([32, 16], seed=[1, 2])
   costs = chain.measure_chain(blocks + [other], x, repeats=1)
-  assert measured == [blocks[0].name, other.name]
   assert [c.name for c in costs] == [l.name for l in blocks + [other]]
   first = dataclasses.replace(costs[0], name="")
   assert all(dataclasses.replace(c, name="") == first for c in costs[1:4])
-  assert chain_measure.structure_key(blocks[0], x) != chain_measure.structure_key(
+  assert profile.structure_key(blocks[0], x) != profile.structure_key(
       blocks[0], x[:16])
 
 
@@ -604,6 +592,8 @@ def test_one_executor_thread_is_read_from_config_environment_or_cpus(
 
 def test_an_ordered_chain_runs_in_the_executors_order_on_one_thread(
     monkeypatch):
+  monkeypatch.setattr(tf.config.threading,
+                      "get_inter_op_parallelism_threads", lambda: 0)
   # One inter-op thread keeps one order by itself; the chain's own order
   # then only raised peaks.
   blocks = models.residual_mlp(3, 64, dropout=0.0, residual_inside=True)
@@ -615,9 +605,9 @@ def test_an_ordered_chain_runs_in_the_executors_order_on_one_thread(
     graph = chain.training_step(layer).get_concrete_function(x).graph
     return sum(len(op.control_inputs) for op in graph.get_operations())
 
-  monkeypatch.setattr(chain_layers, "_one_executor_thread", lambda: False)
+  monkeypatch.setenv("TF_NUM_INTEROP_THREADS", "2")
   ordered = control_edges()
-  monkeypatch.setattr(chain_layers, "_one_executor_thread", lambda: True)
+  monkeypatch.setenv("TF_NUM_INTEROP_THREADS", "1")
   assert control_edges() < ordered
 
 
@@ -626,7 +616,9 @@ def test_an_ordered_chains_backward_ops_are_not_colocated(monkeypatch):
   # as any other; `tf.gradients` would colocate each with its forward op
   # (the reruns' with their segment's custom-gradient op), which cost
   # tracing and the first call's placement time on every planned chain.
-  monkeypatch.setattr(chain_layers, "_one_executor_thread", lambda: False)
+  monkeypatch.setattr(tf.config.threading,
+                      "get_inter_op_parallelism_threads", lambda: 0)
+  monkeypatch.setenv("TF_NUM_INTEROP_THREADS", "2")
   blocks = models.residual_mlp(3, 64, dropout=0.0, residual_inside=True)
   x = tf.zeros([2048, 64])
   layer = tfremat.RematSequential(blocks, [(0, 1, True), (1, 3, True)],
@@ -640,8 +632,6 @@ def test_an_ordered_chains_backward_ops_are_not_colocated(monkeypatch):
 _GELU_CHAIN = """
 import keras, tensorflow as tf, tfremat
 from tfremat import chain, planner
-from tfremat._src.keras_api import chain_layers
-chain_layers._one_executor_thread = lambda: False  # Order, as on several CPUs.
 keras.utils.set_random_seed(0)
 gelu = lambda h: keras.activations.gelu(h, approximate=True)
 blocks = [keras.Sequential([keras.layers.Dense(256, activation=gelu),
@@ -666,7 +656,9 @@ def test_an_ordered_chain_leaves_graph_optimizations_on(tmp_path):
   script.write_text(_GELU_CHAIN)
   done = subprocess.run([sys.executable, str(script)], capture_output=True,
                         text=True, check=True,
-                        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0"))
+                        # Ordered, as on several CPUs.
+                        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0",
+                                 TF_NUM_INTEROP_THREADS="2"))
   assert "optimization failure" not in done.stderr, done.stderr[-2000:]
   assert done.stdout.split()[-1] == "0"  # No power op waits on another.
 

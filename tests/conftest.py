@@ -8,7 +8,9 @@ dropped.
 
 import contextlib
 import functools
+import importlib.util
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -358,7 +360,7 @@ def sample_chain(name):
   benchmark's chains at its default sizes.
   """
   # pylint: disable=g-import-not-at-top
-  from tfremat import bench
+  from tfremat.bench import methods as bench
   from tfremat import models
   keras.utils.set_random_seed(0)
   if name in ("bench_mlp", "bench_transformer"):
@@ -404,3 +406,46 @@ def functional_mlp():
     h = keras.layers.Add()([h, keras.layers.Dense(256)(y)])
   return (keras.Model(inputs, h),
           tf.random.stateless_normal([512, 256], seed=[1, 2]))
+
+
+class StandInRunner:
+  """Stands in for the planner's runner (what runs a candidate's training
+  step): `measure(candidate)` gives its step's per-call peaks (a list,
+  repeated over as many calls as are asked for, or one int), once per
+  candidate; `measured` lists the candidates in the order first measured.
+  Training holds `held_bytes` besides the step (as weights)."""
+
+  step = "stand-in"
+
+  def __init__(self, measure, held_bytes=0):
+    self.measure = measure
+    self.held_bytes = held_bytes
+    self.measured = []
+    self._peaks = {}
+
+  def held(self, batch):
+    del batch
+    return planner.Held(weights_bytes=self.held_bytes)
+
+  def peaks(self, candidate, batch, calls):
+    del batch
+    if candidate not in self._peaks:
+      self.measured.append(candidate)
+      value = self.measure(candidate)
+      self._peaks[candidate] = (list(value) if isinstance(value, (list, tuple))
+                                else [value])
+    values = self._peaks[candidate]
+    return [values[i % len(values)] for i in range(calls)]
+
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+
+
+def load_example(name):
+  """The example `examples/<name>.py`, imported as a module."""
+  spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  # Registered as an import would be: Params text names classes by module.
+  sys.modules[name] = module
+  spec.loader.exec_module(module)
+  return module

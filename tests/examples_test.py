@@ -1,26 +1,13 @@
 """The examples train: loss goes down, and rematerialization saves memory."""
 
-import importlib.util
-import pathlib
-import sys
-
 import numpy as np
 import pytest
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
-
-
-def _load(name):
-  spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  # Registered as an import would be: Params text names classes by module.
-  sys.modules[name] = module
-  spec.loader.exec_module(module)
-  return module
+from conftest import load_example
 
 
 def test_quickstart_trains_and_remat_matches_and_saves_memory():
-  quickstart = _load("quickstart")
+  quickstart = load_example("quickstart")
   # Batch 4096: at 512 the peaks are a few MiB and the allocator's 0.5 MiB
   # rounding alone moved the ratio from under 0.6 to 0.625.
   sizes = dict(steps=40, blocks=4, width=64, batch=4096)
@@ -35,7 +22,7 @@ def test_quickstart_trains_and_remat_matches_and_saves_memory():
 
 
 def test_keras_transformer_learns_and_wrapping_saves_memory():
-  example = _load("keras_transformer")
+  example = load_example("keras_transformer")
   sizes = dict(batch=16, seq_len=32, blocks=2, width=32, vocab=32)
   losses = example.train(steps=100, **sizes)
   assert losses[-1] < 0.5 * losses[0], losses
@@ -46,7 +33,7 @@ def test_keras_transformer_learns_and_wrapping_saves_memory():
 
 def test_lingvo_style_transformer_params_round_trip_and_training():
   import tfremat  # pylint: disable=g-import-not-at-top
-  example = _load("lingvo_style_transformer")
+  example = load_example("lingvo_style_transformer")
   p = example.LmTask.Params().Set(seq_len=16, batch_size=8, learning_rate=1e-2)
   p.builder.Set(vocab=16, dims=16, heads=2, blocks=2, random_seed=1,
                 deterministic_dropout=True)

@@ -10,9 +10,7 @@ from tfremat import chain
 from tfremat import measure
 from tfremat import planner
 from tfremat._src.keras_api import chain_layers
-from tfremat._src.planning import chain_plan
-from tfremat._src.planning import search
-from conftest import DEVICE_MODES, assert_parity, random_costs
+from conftest import DEVICE_MODES, assert_parity, load_example
 
 
 def _model(blocks=3, width=32, dropout=0.3):
@@ -266,10 +264,11 @@ def test_budget_in_place_below_every_layer_says_so_and_changes_nothing():
   data = tf.random.stateless_normal([256, 64], seed=[1, 2])
   with pytest.raises(ValueError, match=r"with all 8 layer\(s\) "
                      r"rematerialized, and nested, nothing fits a budget of "
-                     r"0\.0 MiB: the lowest bound measured is .* \d+% of the "
-                     r"measured keep-everything peak") as caught:
+                     r"1% of the keep-everything peak, .* MiB: the lowest "
+                     r"bound measured is .* \d+% of the measured "
+                     r"keep-everything peak") as caught:
     tfremat.remat_in_place_for_budget(
-        model, blocks, "1KiB", data, data,
+        model, blocks, "1%", data, data,
         settings=planner.Settings(check_calls=2))
   assert isinstance(caught.value, tfremat.errors.BudgetUnreachableError)
   assert (f"{caught.value.lowest_fraction:.0%} of the measured "
@@ -280,8 +279,16 @@ def test_budget_in_place_below_every_layer_says_so_and_changes_nothing():
   with pytest.raises(ValueError, match=r"with all 8 layer\(s\) "
                      r"rematerialized, nothing fits a budget"):
     tfremat.remat_in_place_for_budget(
-        model, blocks, "1KiB", data, data,
+        model, blocks, "1%", data, data,
         settings=planner.Settings(check_calls=2), nested=False)
+  assert not any(tfremat.is_remat_in_place(b) for b in blocks)
+  # A budget in bytes counts the weights, Adam's two slots and the batch:
+  # below them, it is refused once keeping everything is measured.
+  with pytest.raises(ValueError, match=r"training holds .* MiB: weights .* "
+                     r"optimizer .* batch .* before a step allocates"):
+    tfremat.remat_in_place_for_budget(
+        model, blocks, "1KiB", data, data,
+        settings=planner.Settings(check_calls=2))
   assert not any(tfremat.is_remat_in_place(b) for b in blocks)
   with pytest.raises(TypeError, match="nested is True or False"):
     tfremat.remat_in_place_for_budget(model, blocks, "1KiB", data, data,
@@ -324,8 +331,7 @@ def _assert_continues_the_prompt(lm):
 @pytest.mark.slow
 def test_keras_hub_causal_lm_keeps_its_class_trains_and_generates(tmp_path):
   keras_hub = pytest.importorskip("keras_hub")
-  from examples_test import _load  # pylint: disable=g-import-not-at-top
-  example = _load("keras_hub_lm")
+  example = load_example("keras_hub_lm")
   lm = example.small_gpt2(keras_hub)
   lm.compile(optimizer="adam", sampler="greedy")
   plain = example.peak_train_bytes(lm, 8)
@@ -345,8 +351,7 @@ def test_keras_hub_causal_lm_keeps_its_class_trains_and_generates(tmp_path):
 @pytest.mark.slow
 def test_keras_hub_causal_lm_nested_peaks_lower_and_still_generates():
   keras_hub = pytest.importorskip("keras_hub")
-  from examples_test import _load  # pylint: disable=g-import-not-at-top
-  example = _load("keras_hub_lm")
+  example = load_example("keras_hub_lm")
   lm = example.small_gpt2(keras_hub, layers=4, hidden=128, seq_len=128)
   lm.compile(optimizer="adam", sampler="greedy")
   blocks = lm.backbone.transformer_layers
@@ -367,8 +372,7 @@ def test_keras_hub_causal_lm_nested_peaks_lower_and_still_generates():
 @pytest.mark.long
 def test_keras_hub_causal_lm_under_a_budget_stays_a_task():
   keras_hub = pytest.importorskip("keras_hub")
-  from examples_test import _load  # pylint: disable=g-import-not-at-top
-  example = _load("keras_hub_lm")
+  example = load_example("keras_hub_lm")
   lm = example.small_gpt2(keras_hub, layers=4, hidden=128, seq_len=128)
   lm.compile(optimizer="adam", sampler="greedy")
   chosen = tfremat.remat_in_place_for_budget(
@@ -380,26 +384,3 @@ def test_keras_hub_causal_lm_under_a_budget_stays_a_task():
   assert max(later) <= chosen.budget_bytes, (later, str(chosen))
   lm.fit(example.text(16), batch_size=8, epochs=1, verbose=0)
   _assert_continues_the_prompt(lm)
-
-
-def test_every_budget_goes_through_the_planners_one_search(monkeypatch):
-  searched = []
-
-  def fit_budget(*args, **kwargs):
-    searched.append(args[2])  # The key of keeping everything.
-    return fit(*args, **kwargs)
-
-  fit = search.fit_budget
-  monkeypatch.setattr(search, "fit_budget", fit_budget)
-  model, blocks = _dense_stack()
-  data = tf.random.stateless_normal([64, 64], seed=[1, 2])
-  chosen = tfremat.remat_in_place_for_budget(
-      model, blocks, 1.0, data, data, settings=planner.Settings(check_calls=2))
-  assert not chosen.layers and searched == [(0, False)]
-  assert chosen.search.chosen.key == (0, False)
-  costs = random_costs(np.random.default_rng(6), 3)
-  monkeypatch.setattr(chain_plan, "measure_peaks", lambda layer, x, calls, **_: [
-      int(planner.predict(costs, layer.segments)[0])])
-  layers = [keras.layers.Identity() for _ in costs]
-  chain.checked_plan(layers, 0.8, None, costs=costs)
-  assert searched[1] == search.Candidate(tuple(planner.keep_all(3)))

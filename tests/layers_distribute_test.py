@@ -58,6 +58,13 @@ def test_mirrored_strategy_custom_step_and_fit(tmp_path):
   assert _weights(out, "remat_model_budget_plan")[0].any()
   _assert_trained_like_reference(out, "remat_model_budget", "initial_wide",
                                  blocks=4)  # distribute_worker.WIDE_BLOCKS
+  # Planned on its train_on_batch with one replica's batch: trains the same,
+  # and one replica's later steps (the total over the two logical devices,
+  # which share the CPU's memory, halved) peak within its budget.
+  _assert_trained_like_reference(out, "remat_model_fit_budget",
+                                 "initial_wide", blocks=4)
+  peak, budget, keep = _weights(out, "fit_budget_peaks")[0]
+  assert peak <= budget < keep, (peak, budget, keep)
 
 
 def _free_ports(count):

@@ -10,8 +10,10 @@ from tfremat import errors
 from tfremat import policies
 from tfremat import planner
 from tfremat._src.planning import cost_model
+from tfremat._src.planning import proposals
 from tfremat._src.planning import search
 from tfremat.planner import Segment
+from conftest import StandInRunner
 from conftest import random_costs
 
 _SHIPPED = planner.DEFAULT_SETTINGS
@@ -20,7 +22,7 @@ _SHIPPED = planner.DEFAULT_SETTINGS
 def _calibrated(costs, budget, measured_peak, rounds=_SHIPPED.rounds,
                 nestable=None, gradient_bytes=0, measured_ordered=None,
                 reserve=0.0):
-  """`search.calibrated_plan` on stand-in measurements: `measured_peak`
+  """`search.choose_plan` on stand-in measurements: `measured_peak`
   (and `measured_ordered`, for ordered candidates) take a list of segments.
   The stand-ins are the cost model's own figures, with nothing that moves
   between processes behind them: no reserve unless one is given."""
@@ -31,9 +33,9 @@ def _calibrated(costs, budget, measured_peak, rounds=_SHIPPED.rounds,
   settings = dataclasses.replace(
       _SHIPPED, reserve=reserve, rounds=rounds,
       try_ordered=measured_ordered is not None)
-  return search.calibrated_plan(costs, budget, measure, nestable=nestable,
-                                gradient_bytes=gradient_bytes,
-                                settings=settings)
+  return search.choose_plan(costs, budget, StandInRunner(measure),
+                            nestable=nestable, floor_bytes=gradient_bytes,
+                            settings=settings)
 
 
 def _all_plans(n, start=0, policies=()):
@@ -294,7 +296,7 @@ def test_the_lowest_plan_retains_the_least_of_those_at_the_floor(seed):
   costs = random_costs(np.random.default_rng(seed), 8)
   keep = planner.keep_all(8)
   fastest = planner.plan(costs, cost_model.smallest_budget(costs))
-  lowest = search.lowest_plan(costs)
+  lowest = proposals.lowest_plan(costs)
   alone = planner.uniform_segments(8, 8)
   assert lowest.peak_bytes <= cost_model.smallest_budget(costs)
   if planner.predict(costs, alone)[0] <= lowest.peak_bytes:
@@ -337,7 +339,7 @@ def test_the_lowest_plan_is_every_layer_alone_where_that_is_at_the_floor():
             planner.Segment(3, 5, True)]
   assert planner.predict(costs, longer)[0] <= floor
   assert _retained(costs, longer) < _retained(costs, alone)
-  assert list(search.lowest_plan(costs).segments) == alone
+  assert list(proposals.lowest_plan(costs).segments) == alone
 
 
 def test_before_refusing_the_lowest_plan_is_measured():
@@ -348,7 +350,7 @@ def test_before_refusing_the_lowest_plan_is_measured():
   costs = random_costs(np.random.default_rng(6), 8)
   keep = planner.keep_all(8)
   keep_peak = planner.predict(costs, keep)[0]
-  lowest = list(search.lowest_plan(costs).segments)
+  lowest = list(proposals.lowest_plan(costs).segments)
   measured = []
 
   def measured_peak(segments):
@@ -384,7 +386,7 @@ def test_before_refusing_the_lowest_plan_is_measured_nested():
     return int(0.3 * keep_peak if any(s.nested for s in segments) else
                peak + 0.5 * keep_peak)
 
-  lowest = list(search.lowest_plan(costs).segments)
+  lowest = list(proposals.lowest_plan(costs).segments)
   chosen = _calibrated(costs, 0.6, measured_peak, rounds=1,
                                    nestable=nestable)
   # Keeping everything, the round's plans (down to the lowest), nested.
@@ -461,20 +463,20 @@ def test_a_budget_the_reserve_and_spread_above_the_lowest_plans_peak_is_planned(
   # (1 + reserve + spread) times the lowest plan's peak is met, however much
   # smaller than keeping everything that plan is.
   costs = random_costs(np.random.default_rng(6), 8)
-  lowest = int(planner.predict(costs, search.lowest_plan(costs).segments)[0])
+  lowest = int(planner.predict(costs, proposals.lowest_plan(costs).segments)[0])
 
   def measured_peak(segments):  # Calls spread by 5% of each plan's peak.
     peak = int(planner.predict(costs, segments)[0])
     return [peak, int(0.95 * peak), peak]
 
   budget = int((1.051 + _SHIPPED.reserve) * lowest)
-  chosen = search.calibrated_plan(
-      costs, budget, lambda c: measured_peak(list(c.segments)))
+  chosen = search.choose_plan(
+      costs, budget, StandInRunner(lambda c: measured_peak(list(c.segments))))
   assert chosen.measured.bound_bytes <= chosen.budget_bytes
   assert chosen.search.settings == _SHIPPED
   with pytest.raises(errors.BudgetUnreachableError):
-    search.calibrated_plan(costs, int(0.99 * budget),
-                           lambda c: measured_peak(list(c.segments)))
+    search.choose_plan(costs, int(0.99 * budget), StandInRunner(
+        lambda c: measured_peak(list(c.segments))))
 
 
 def _assert_planned_in_one_check(costs, fraction, plan_error=1.0,
@@ -492,8 +494,17 @@ def _assert_planned_in_one_check(costs, fraction, plan_error=1.0,
 
   chosen = _calibrated(costs, fraction, measured_peak, reserve=reserve)
   assert chosen.measured.bound_bytes <= chosen.budget_bytes
-  assert len(measured) == 2, [str(planner.Plan(costs, s).peak_bytes)
-                              for s in measured]
+  # Keeping everything and one round's plan; then, only where that plan
+  # left more than a fifth of the room unused, the next faster one.
+  stages = [t.stage for t in chosen.search.trials]
+  assert stages[:2] == ["keep", "round"], stages
+  assert stages[2:] in ([], ["faster"]), stages
+  first = chosen.search.trials[1]
+  if stages[2:]:
+    assert first.measured.peak_bytes < (
+        _SHIPPED.use_at_least * chosen.search.step_bytes)
+  assert len(measured) == len(stages), [
+      str(planner.Plan(costs, s).peak_bytes) for s in measured]
   return chosen
 
 
@@ -541,7 +552,7 @@ def test_a_budget_below_the_models_floor_is_measured_before_refusing():
   # model's word alone would be wrong, so the lowest plan is measured first.
   costs = random_costs(np.random.default_rng(6), 8)
   keep = planner.keep_all(8)
-  floor = search.lowest_plan(costs)
+  floor = proposals.lowest_plan(costs)
   keep_peak = int(planner.predict(costs, keep)[0])
   measured = []
 
@@ -685,7 +696,7 @@ def test_below_the_models_floor_its_lowest_plan_is_measured_last():
   # measured before giving up.
   costs = random_costs(np.random.default_rng(6), 8)
   keep = planner.keep_all(8)
-  floor = search.lowest_plan(costs)
+  floor = proposals.lowest_plan(costs)
   keep_peak = planner.predict(costs, keep)[0]
   budget = (floor.peak_bytes + keep_peak) // 2
   measured = []
@@ -698,7 +709,12 @@ def test_below_the_models_floor_its_lowest_plan_is_measured_last():
 
   chosen = _calibrated(costs, budget, measured_peak, rounds=8)
   assert list(chosen.segments) == list(floor.segments), str(chosen)
-  assert measured[-1] == list(floor.segments)
+  # The floor was the last plan the rounds measured; the one after it is
+  # the next plan predicted faster (the floor left most of the room), over.
+  rounds = [t for t in chosen.search.trials if t.stage == "round"]
+  assert rounds[-1] is chosen.search.chosen
+  assert [(t.stage, t.fits) for t in chosen.search.trials[len(rounds) + 1:]
+          ] == [("faster", False)]
 
 
 def test_every_layer_alone_is_measured_when_the_plan_found_is_slower():
@@ -737,7 +753,7 @@ def test_every_layer_alone_is_measured_when_the_plan_found_is_slower():
       costs, 0.3, lambda s: measured_peak(s) if s in (keep, alone) else
       int(keep_peak), rounds=1)
   assert list(over.segments) == alone
-  assert list(search.lowest_plan(costs).segments) not in measured
+  assert list(proposals.lowest_plan(costs).segments) not in measured
   # Where a plan that fits is predicted faster, it is not measured.
   measured.clear()
   roomy = _calibrated(costs, 0.6, measured_peak)
@@ -750,7 +766,7 @@ def test_a_plan_is_run_ordered_only_where_nothing_unordered_fits():
   # planner measures the lowest plan ordered only after every unordered
   # plan it measured was over the budget, and the plan says it is ordered.
   costs = random_costs(np.random.default_rng(6), 8)
-  lowest = int(planner.predict(costs, search.lowest_plan(costs).segments)[0])
+  lowest = int(planner.predict(costs, proposals.lowest_plan(costs).segments)[0])
   unordered = lambda s: int(1.3 * planner.predict(costs, s)[0]) if any(
       x.remat for x in s) else int(planner.predict(costs, s)[0])
   ordered_calls = []
@@ -775,47 +791,52 @@ def test_a_plan_is_run_ordered_only_where_nothing_unordered_fits():
   assert not roomy.ordered and not ordered_calls
 
 
-def _fit(peaks, budget, rank=None, gradient_bytes=0, tries=(), reserve=0.0):
-  """`search.fit_budget` over fake candidates: `peaks` maps each key to its
-  per-call peaks; the candidates are `tries`, in order, each proposed
-  twice. Returns the Search and the keys measured, in order."""
-  measured = []
+def _fit(peaks, budget, rank=None, gradient_bytes=0, tries=(), reserve=0.0,
+         refusal=None):
+  """`search.search_budget` over stand-in candidates: `peaks` maps each
+  key to its per-call peaks; the candidates are "keep", then `tries`, in
+  order. Returns the Search and the keys measured, in order."""
+  runner = StandInRunner(lambda key: peaks[key])
 
-  def measure(key):
-    measured.append(key)
-    return peaks[key]
+  def propose(trials, step_bytes):
+    del step_bytes
+    order = ["keep"] + list(tries)
+    if len(trials) == len(order):
+      return None
+    key = order[len(trials)]
+    return key, "keep" if key == "keep" else "try", (
+        "keeping everything" if key == "keep" else f"try {key}")
 
-  def candidates(budget_bytes, keep):
-    del budget_bytes, keep
-    for key in tries:
-      yield key, f"try {key}"
-      yield key, "again"  # Measured once all the same.
-
-  found = search.fit_budget(
-      budget, measure, "keep", candidates, rank=rank or (lambda key: key),
-      gradient_bytes=gradient_bytes,
+  found = search.search_budget(
+      budget, runner, None, propose, rank=rank or (lambda key: key),
+      floor_bytes=gradient_bytes, refusal=refusal,
       settings=dataclasses.replace(_SHIPPED, reserve=reserve))
-  return found, measured
+  return found, runner.measured
 
 
-def test_fit_budget_is_the_one_search_every_budget_goes_through():
+def test_search_budget_is_the_one_search_every_budget_goes_through():
   peaks = {"keep": [100, 100], "a": [60, 60], "b": [40, 40],
            "c": [30, 50], "over": [120, 120]}
+  calls = _SHIPPED.check_calls
   # Keeping everything fits: nothing else is measured.
   found, measured = _fit(peaks, 100, tries=["a"])
-  assert (found.chosen.key, measured) == ("keep", ["keep"])
+  assert (found.chosen.candidate, measured) == ("keep", ["keep"])
   # A fraction is of keeping everything's peak; the first fitting
   # candidate by rank is chosen, each measured once. "c" peaks at 50 but
   # its bound (largest + spread) is 70; "over" peaks above keeping
   # everything and is never chosen.
   found, measured = _fit(peaks, "60%", tries=["over", "c", "b", "a"],
                          rank=lambda key: -peaks[key][0])
-  assert found.chosen.key == "a" and found.budget_bytes == 60
+  assert found.chosen.candidate == "a" and found.budget_bytes == 60
   assert measured == ["keep", "over", "c", "b", "a"]
-  assert found.keep.measured == planner.Measured(100, 100, 2)
-  assert found.chosen.measured == planner.Measured(60, 60, 2)
+  assert found.keep.measured == planner.Measured(100, 100, calls)
+  assert found.chosen.measured == planner.Measured(60, 60, calls)
+  # One rule for every check: the first calls, and the rest only where
+  # those fit ("over" and "c" stopped after them).
+  assert [t.measured.calls for t in found.trials] == [
+      calls, _SHIPPED.first_calls, _SHIPPED.first_calls, calls, calls]
   # The record: every trial, in order, why, and whether it fits.
-  assert [(t.key, t.why, t.fits) for t in found.trials] == [
+  assert [(t.candidate, t.why, t.fits) for t in found.trials] == [
       ("keep", "keeping everything", False), ("over", "try over", False),
       ("c", "try c", False), ("b", "try b", True), ("a", "try a", True)]
   text = str(found)
@@ -825,7 +846,8 @@ def test_fit_budget_is_the_one_search_every_budget_goes_through():
   with pytest.raises(errors.BudgetUnreachableError,
                      match=r"the lowest bound measured is .*, 40% of") as caught:
     _fit(peaks, 35, tries=["a", "b"])
-  assert [t.key for t in caught.value.search.trials] == ["keep", "a", "b"]
+  assert [t.candidate for t in caught.value.search.trials] == [
+      "keep", "a", "b"]
   assert caught.value.search.chosen is None
   # Below the weight gradients: refused before the search measures (a
   # key without peaks would raise a KeyError).
@@ -835,17 +857,42 @@ def test_fit_budget_is_the_one_search_every_budget_goes_through():
   assert caught.value.lowest_fraction == 0.5
 
 
-def test_fit_budget_refusal_says_what_was_tried_and_what_to_do():
-  def candidates(budget_bytes, keep):
-    del budget_bytes, keep
-    yield 4, "all four"
+def test_a_byte_budget_counts_what_training_holds_besides_the_step():
+  # 40 bytes held (weights, optimizer state, batch): a budget of 100 leaves
+  # the step 60, where "a" fits and "b" does not; a fraction is of the
+  # step's own peak, beyond what is held.
+  peaks = {"keep": [100], "a": [55], "b": [65]}
+  runner = StandInRunner(lambda key: peaks[key], held_bytes=40)
+  order = ["keep", "b", "a"]
 
+  def propose(trials, step_bytes):
+    del step_bytes
+    return ((order[len(trials)], "try", order[len(trials)])
+            if len(trials) < len(order) else None)
+
+  found = search.search_budget(100, runner, None, propose, rank=len)
+  assert found.step_bytes == 60 and found.held.total_bytes == 40
+  assert [(t.candidate, t.fits) for t in found.trials] == [
+      ("keep", False), ("b", False), ("a", True)]
+  assert found.chosen.candidate == "a"
+  assert "held 0.0 MiB" in str(found)
+  fraction = search.search_budget("60%", StandInRunner(
+      lambda key: peaks[key], held_bytes=40), None, propose, rank=len)
+  assert (fraction.step_bytes, fraction.budget_bytes) == (60, 100)
+  # What is held alone over the budget: refused at once, naming it.
+  with pytest.raises(errors.BudgetUnreachableError,
+                     match="training holds .* before a step allocates"):
+    search.search_budget(30, StandInRunner(lambda key: peaks[key],
+                                           held_bytes=40), None, propose,
+                         rank=len)
+
+
+def test_search_budget_refusal_says_what_was_tried_and_what_to_do():
+  peaks = {"keep": [100], "all": [60]}
   with pytest.raises(errors.BudgetUnreachableError) as caught:
-    search.fit_budget(
-        "10%", lambda key: [100 - 10 * key], 0, candidates, rank=lambda k: k,
-        refusal=lambda: dict(subject="with all 4 layer(s), nothing fits",
-                             terms=[("the weight gradients", 2**20)],
-                             fix="give more layers"))
+    _fit(peaks, "10%", tries=["all"], refusal=dict(
+        subject="with all 4 layer(s), nothing fits",
+        terms=[("the weight gradients", 2**20)], fix="give more layers"))
   message = str(caught.value)
   assert message.startswith("tfremat: with all 4 layer(s), nothing fits a "
                             "budget of "

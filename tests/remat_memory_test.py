@@ -17,7 +17,7 @@ from tfremat import measure
 _RATIO = textwrap.dedent("""
     import json, sys
     import numpy as np, tensorflow as tf
-    from tfremat import bench, measure, models
+    from tfremat.bench import methods as bench, measure, models
     blocks, width, batch, jit = 32, 128, 4096, sys.argv[1] == "xla"
     layers = models.residual_mlp(blocks, width, dropout=0.1)
     x = tf.random.stateless_normal([batch, width], seed=[1, 2])

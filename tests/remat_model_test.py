@@ -23,7 +23,7 @@ from tfremat import measure
 from tfremat import models
 from tfremat._src.keras_api.remat_model import RematerializeActivation
 from tfremat._src.keras_api.remat_model import chain_units
-from tfremat._src.keras_api.remat_model import remat_model
+from tfremat._src.api.remat_model import remat_model
 from conftest import DEVICES, FeedForward, assert_parity
 from conftest import assert_serves_without_tfremat
 from conftest import assert_trees_close

@@ -10,17 +10,17 @@ by measuring the chain (`measure_chain`) and asking the planner
 (`tfremat.planner`), whose choice `checked_plan` checks by measurement.
 """
 
+from tfremat._src.api.sequential import checked_plan
+from tfremat._src.api.sequential import remat_sequential
 from tfremat._src.keras_api.chain_layers import ContextUnit
 from tfremat._src.keras_api.chain_layers import RematSequential
-from tfremat._src.keras_api.chain_layers import apply_plan
-from tfremat._src.planning.chain_plan import checked_plan
-from tfremat._src.planning.chain_measure import measure_chain
-from tfremat._src.planning.chain_measure import measure_layer
-from tfremat._src.planning.chain_measure import measure_peak
-from tfremat._src.planning.chain_measure import measure_peaks
-from tfremat._src.planning.chain_plan import remat_sequential
-from tfremat._src.planning.chain_plan import retracing_quiet
-from tfremat._src.planning.chain_measure import training_step
+from tfremat._src.planning.apply import apply_plan
+from tfremat._src.planning.budget import retracing_quiet
+from tfremat._src.planning.profile import measure_chain
+from tfremat._src.planning.profile import measure_layer
+from tfremat._src.planning.profile import measure_peak
+from tfremat._src.planning.profile import measure_peaks
+from tfremat._src.planning.profile import training_step
 
 __all__ = [
     "RematSequential",

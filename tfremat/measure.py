@@ -28,19 +28,20 @@ TensorFlow has not run an op yet. The benchmark, the planner and the
 examples all measure with this module.
 """
 
-from tfremat._src.planning.measure import PEAK_CALLS
-from tfremat._src.planning.measure import StepPeak
-from tfremat._src.planning.measure import format_bytes
-from tfremat._src.planning.measure import held_bytes
-from tfremat._src.planning.measure import median_seconds
-from tfremat._src.planning.measure import memory_device
-from tfremat._src.planning.measure import peak_bytes
-from tfremat._src.planning.measure import peaks
-from tfremat._src.planning.measure import progress_bar
-from tfremat._src.planning.measure import replicated
-from tfremat._src.planning.measure import restoring
-from tfremat._src.planning.measure import seconds
-from tfremat._src.planning.measure import step_peaks
+from tfremat._src.measuring import PEAK_CALLS
+from tfremat._src.measuring import StepPeak
+from tfremat._src.measuring import format_bytes
+from tfremat._src.measuring import held_bytes
+from tfremat._src.measuring import median_seconds
+from tfremat._src.measuring import memory_device
+from tfremat._src.measuring import peak_bytes
+from tfremat._src.measuring import peaks
+from tfremat._src.measuring import progress_bar
+from tfremat._src.measuring import replicated
+from tfremat._src.measuring import restoring
+from tfremat._src.measuring import seconds
+from tfremat._src.measuring import step_peaks
+from tfremat._src.measuring import wait_for
 
 __all__ = [
     "memory_device",
@@ -56,4 +57,5 @@ __all__ = [
     "progress_bar",
     "restoring",
     "PEAK_CALLS",
+    "wait_for",
 ]

@@ -24,12 +24,13 @@ says what it measured and why (docs/design.md, "How the planner chooses").
 """
 
 from tfremat._src import moved
+from tfremat._src.keras_api.segments import Segment
+from tfremat._src.keras_api.segments import keep_all
+from tfremat._src.keras_api.segments import uniform_segments
 from tfremat._src.planning.cost_model import Budget
 from tfremat._src.planning.cost_model import LayerCost
-from tfremat._src.planning.cost_model import Segment
-from tfremat._src.planning.cost_model import keep_all
 from tfremat._src.planning.cost_model import predict
-from tfremat._src.planning.cost_model import uniform_segments
+from tfremat._src.planning.plan import Held
 from tfremat._src.planning.plan import Measured
 from tfremat._src.planning.plan import Plan
 from tfremat._src.planning.plan import plan
@@ -48,6 +49,7 @@ __all__ = [
     "Settings",
     "DEFAULT_SETTINGS",
     "Measured",
+    "Held",
     "Search",
     "Trial",
     "predict",

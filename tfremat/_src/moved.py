@@ -35,6 +35,8 @@ MOVED = {
                        " (or tfremat.lingvo.layers)"),
     "in_place": ("_src.keras_api.in_place", "tfremat.remat_in_place and its siblings"),
     "layers": ("_src.keras_api.layers", "tfremat.RematerializationLayer"),
+    "max_batch": ("bench.max_batch", "tfremat.bench.max_batch (the bench's "
+                  "rows; tfremat.largest_batch is the call to make)"),
     "remat": ("_src.core.remat", "tfremat.RematerializeFn, tfremat.rematerialize"
               " and tfremat.debug_reruns"),
     "remat_model": ("_src.keras_api.remat_model", "tfremat.remat_model and "
@@ -119,7 +121,7 @@ def planner_attribute(name):
                 "tfremat 0.2; use that name.", DeprecationWarning,
                 stacklevel=2)
   return getattr(importlib.import_module(
-      f"{_PACKAGE}._src.planning.chain_plan"), name)
+      f"{_PACKAGE}._src.planning.profile"), name)
 
 
 class _Loader(importlib.abc.Loader):

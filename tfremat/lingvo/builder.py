@@ -21,10 +21,11 @@ gradients.
 
 import inspect
 
-from tfremat._src.planning import chain_plan as chain_lib
 from tfremat import errors
+from tfremat._src.api import sequential
 from tfremat._src.core import policies as policies_lib
-from tfremat._src.planning.cost_model import uniform_segments
+from tfremat._src.keras_api.segments import uniform_segments
+from tfremat._src.planning import budget as budget_lib
 from tfremat._src.keras_api.layers import RematerializationLayer
 from tfremat.lingvo import builder_layers
 from tfremat.lingvo import hyperparams
@@ -132,9 +133,9 @@ class Base:
         parts.append(self._Rematerialize(f"{name}_remat{i}", seq, policy))
       return self._Seq(name, *parts)
     # Checked before instantiating anything.
-    budget, policies = chain_lib.planning_arguments(
+    budget, policies = budget_lib.planning_arguments(
         "_RematerializeSeq", budget, sample_input, policies, policy)
-    chosen = chain_lib.checked_plan([p.Instantiate() for p in subs], budget,
+    chosen = sequential.checked_plan([p.Instantiate() for p in subs], budget,
                                     sample_input, policies=policies)
     return self._Layer(builder_layers.PlannedSeqLayer, name, sub=list(subs),
                        plan=chosen)

@@ -13,6 +13,7 @@ import tensorflow as tf
 from tfremat import errors
 from tfremat._src.core import hyperparams
 from tfremat._src.core import step_seed
+from tfremat._src.planning.apply import apply_plan
 
 __all__ = [
     "BaseLayer",
@@ -100,8 +101,6 @@ class PlannedSeqLayer(BaseLayer):
 
   def __init__(self, params):
     super().__init__(params)
-    # pylint: disable-next=g-import-not-at-top
-    from tfremat._src.keras_api.chain_layers import apply_plan
     self.chain = apply_plan([sub.Instantiate() for sub in params.sub],
                             params.plan, name=f"{params.name}_chain")
 

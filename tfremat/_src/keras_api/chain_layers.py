@@ -1,8 +1,9 @@
 """The layers of a chain with chosen rematerialization: `RematSequential` runs
 Keras layers in order, each chosen segment rematerialized, optionally in one
-op order (`_OpOrder`); `ContextUnit` and `ContextSegment` carry what a
-model's parts read besides the chain's activation (token ids, masks).
-Their public names are `tfremat.chain`'s.
+op order (`_OpOrder`), and, when a planner's plan says so, segments chosen
+for each input shape it is traced for; `ContextUnit` and `ContextSegment`
+carry what a model's parts read besides the chain's activation (token ids,
+masks). Their public names are `tfremat.chain`'s.
 """
 
 import contextlib
@@ -16,10 +17,9 @@ from tensorflow.python.ops import control_flow_util
 from tfremat import errors
 from tfremat._src.core import policies as policies_lib
 from tfremat._src.keras_api import in_place
-from tfremat._src.planning.cost_model import Segment
-from tfremat._src.planning.cost_model import check_segments
-from tfremat._src.planning.plan import Plan
 from tfremat._src.keras_api import layers as layers_lib
+from tfremat._src.keras_api.segments import Segment
+from tfremat._src.keras_api.segments import check_segments
 from tfremat._src.core import watch
 from tfremat._src.keras_api.layers import RematerializationLayer
 
@@ -27,8 +27,8 @@ __all__ = [
     "ContextUnit",
     "ContextSegment",
     "nest_target",
+    "call_link",
     "RematSequential",
-    "apply_plan",
     "SOURCE_OPS",
 ]
 
@@ -105,7 +105,7 @@ class ContextSegment(keras.layers.Layer):
                if self.nested else contextlib.nullcontext())
     with nesting:
       for layer in self.chain:
-        x = _call_link(layer, x, context, training)
+        x = call_link(layer, x, context, training)
     return x
 
 
@@ -123,11 +123,12 @@ def nest_target(layer):
   return layer
 
 
-def _call_link(layer, x, context, training):
+def call_link(layer, x, context, training):
   """One link of a chain on `x`, handed the context if it reads it (a
   ContextUnit, a ContextSegment, or either rematerialized)."""
   body = layer.layer if isinstance(layer, RematerializationLayer) else layer
-  if context is not None and isinstance(body, (ContextUnit, ContextSegment)):
+  if context is not None and isinstance(
+      body, (ContextUnit, ContextSegment, RematSequential)):
     return layer(x, context=context, training=training)
   return layer(x, training=training)
 
@@ -152,7 +153,13 @@ class RematSequential(keras.layers.Layer):
       (`tfremat.planner.Segment`).
     plan: the planner's `Plan` that chose the segments, if it did; kept in
       the layer's config, so `.plan` prints the same after a `.keras` file
-      is saved and loaded.
+      is saved and loaded. Where the plan can choose segments for other
+      input shapes (`Plan.segments_at`: a byte budget, planned with costs
+      fitted over shapes), a call on an input of another static shape runs
+      the segments it chooses there, with no new measurement; an unknown
+      dimension is taken as the largest this layer has been traced for, at
+      least the plan's sample's (Keras's `fit` traces a last partial batch,
+      and a second sequence length, with unknown dimensions).
     policy: the save policy of rematerialized segments that name none.
     gated: each kept layer hands its input gradient on only after its
       weight gradients are computed, as a rematerialized segment does
@@ -193,50 +200,75 @@ class RematSequential(keras.layers.Layer):
     self.ordered = bool(ordered)
     self.gated = bool(gated)
     if isinstance(plan, dict):
-      plan = Plan.from_config(plan)
+      # The planner registers its Plan with Keras (tfremat>Plan): this
+      # layer reads it back without importing the planner, which builds on
+      # it.
+      plan = keras.saving.get_registered_object("tfremat>Plan").from_config(
+          plan)
     self.plan = plan
-    self.steps = []
+    self.steps = self._steps_of(segments)
+    # Segments chosen for other input shapes, and their steps; not tracked
+    # by Keras (their layers are this chain's, already tracked in `steps`).
+    self._at_shapes = _ShapeRuns(tuple(segments), self.steps)
+
+  def _steps_of(self, segments):
+    """The layers that run `segments` of the chain, in order."""
+    steps = []
     for seg in segments:
-      part = layers[seg.start:seg.stop]
+      part = self.chain[seg.start:seg.stop]
       if seg.nested:
-        body = ContextSegment(part, nested=True, policy=seg.policy or policy)
+        body = ContextSegment(part, nested=True,
+                              policy=seg.policy or self.policy)
       elif any(isinstance(l, ContextUnit) for l in part):
         body = ContextSegment(part)
       else:
         body = keras.Sequential(part)
       if seg.remat:
-        self.steps.append(
-            RematerializationLayer(body, policy=seg.policy or policy))
+        steps.append(
+            RematerializationLayer(body, policy=seg.policy or self.policy))
       elif self.gated:
-        self.steps += [RematerializationLayer(
+        steps += [RematerializationLayer(
             l, policy="everything_saveable") for l in part]
       else:
-        self.steps += part
+        steps += part
+    return steps
 
   def build(self, input_shape=None):
     del input_shape  # Each layer builds itself on its first call.
     self.built = True
 
+  def segments_for(self, x):
+    """The segments a call on `x` runs: the plan's for `x`'s static shape
+    (`Plan.segments_at`), where the plan chooses per shape, else
+    `segments`. Raises the plan's error where no plan fits that shape."""
+    shape = self._at_shapes.shape_of(x)
+    at = getattr(self.plan, "segments_at", None)
+    if at is None or shape is None:
+      return tuple(self.segments)
+    return tuple(at(shape))
+
   def call(self, x, context=None, training=None):
     """Runs the chain on `x`; `context` is the list of tensors its
     `ContextUnit`s read (see there), if it has any."""
+    segments = self.segments_for(x)
+    steps = self._at_shapes.steps(segments, self._steps_of)
     graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
     if (not self.ordered or graph is None or
-        not (self.gated or any(s.remat for s in self.segments)) or
+        not (self.gated or any(s.remat for s in segments)) or
         control_flow_util.GraphOrParentsInXlaContext(graph) or
         _one_executor_thread()):
       # Eager ops, XLA's compiled steps and an executor with one inter-op
       # thread run in one order every time; a chain that rematerializes
       # nothing runs as the layers would.
-      return self._run(x, context, training)
-    return self._ordered(x, context, training)
+      return self._run(steps, x, context, training)
+    return self._ordered(steps, x, context, training)
 
-  def _run(self, x, context, training):
-    for step in self.steps:
-      x = _call_link(step, x, context, training)
+  def _run(self, steps, x, context, training):
+    for step in steps:
+      x = call_link(step, x, context, training)
     return x
 
-  def _ordered(self, x, context, training):
+  def _ordered(self, steps, x, context, training):
     """The chain in a graph, its forward and backward ops run in one order.
 
     The graph executor runs independent ops in whatever order its threads
@@ -254,7 +286,7 @@ class RematSequential(keras.layers.Layer):
     def chain(x):
       with order:
         # The context is never float: it needs no gradient.
-        y = self._run(x, context, training)
+        y = self._run(steps, x, context, training)
 
       def grad(dy, variables=None):
         variables = list(variables or [])
@@ -294,26 +326,39 @@ class RematSequential(keras.layers.Layer):
     return cls(layers, **config)
 
 
-def apply_plan(layers, plan, **kwargs):
-  """The chain `layers` run as `plan` says: the one place a plan becomes
-  layers (`remat_sequential`, `remat_model`, the builder, the planner's
-  checks, the benchmark and `largest_batch` all come here).
+class _ShapeRuns:
+  """A chain's steps for each segments it has run, and the largest size it
+  has been traced for on each axis of its input (`RematSequential`). A
+  plain object: Keras tracks what a layer holds in lists and dicts, and
+  these steps are made of the chain's own layers."""
 
-  Args:
-    layers: the chain's Keras layers.
-    plan: a `tfremat.planner.Plan`, or a candidate the planner measures
-      (anything with `segments` and `ordered`); its segments' policies are
-      values, a user's own included, and run as themselves.
-    **kwargs: for the `RematSequential` (its `name`, say).
+  def __init__(self, segments, steps):
+    self._steps = {segments: steps}
+    self._largest = None
 
-  Returns:
-    A `RematSequential` with the plan's segments, nested ones included, run
-    ordered if the plan is, every kept layer gated (`RematSequential`'s
-    `gated`), and `.plan` the plan (when a Plan is given).
-  """
-  return RematSequential(layers, plan.segments,
-                         plan=plan if isinstance(plan, Plan) else None,
-                         ordered=plan.ordered, gated=True, **kwargs)
+  def shape_of(self, x):
+    """`x`'s static shape, each unknown dimension the largest traced so far
+    on that axis (None where there is none yet); None for an input of
+    unknown rank or a nested input."""
+    if not isinstance(x, (tf.Tensor, keras.KerasTensor)):
+      return None
+    try:
+      dims = [None if d is None else int(d) for d in tuple(x.shape)]
+    except ValueError:  # A shape of unknown rank.
+      return None
+    if self._largest is None or len(self._largest) != len(dims):
+      self._largest = [None] * len(dims)
+    for i, d in enumerate(dims):
+      if d is not None:
+        self._largest[i] = max(d, self._largest[i] or 0)
+      else:
+        dims[i] = self._largest[i]
+    return tuple(dims)
+
+  def steps(self, segments, make):
+    if segments not in self._steps:
+      self._steps[segments] = make(segments)
+    return self._steps[segments]
 
 
 def _gradients(ys, xs, grad_ys):

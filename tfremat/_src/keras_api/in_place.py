@@ -13,7 +13,6 @@ gradients are exact under dropout and its state updates once.
 """
 
 import contextlib
-import dataclasses
 import functools
 
 import keras
@@ -21,20 +20,17 @@ from keras.src.backend.common import global_state
 from keras.src.backend.common import remat as keras_remat
 
 from tfremat import errors
-from tfremat._src.planning import measure
 from tfremat._src.core import policies
 from tfremat._src.core import remat
-from tfremat._src.planning import search
-from tfremat._src import units
-from tfremat._src.planning.cost_model import Budget
 from tfremat._src.keras_api.layers import keras_layers
 
 __all__ = [
     "remat_in_place",
-    "remat_in_place_for_budget",
-    "InPlaceBudget",
     "undo_remat_in_place",
     "is_remat_in_place",
+    "sublayers",
+    "sublayers_rematerialized",
+    "can_nest",
 ]
 
 # Set on a layer remat_in_place rematerializes: its remat mode before.
@@ -215,158 +211,3 @@ def _rematerialized_call(layer, policy, call, *args, **kwargs):
     return outputs
 
   return rematerialized
-
-
-@dataclasses.dataclass(frozen=True)
-class InPlaceBudget:
-  """What `remat_in_place_for_budget` chose and measured, as a value.
-
-  Attributes:
-    layers: the layers it left rematerialized (the first `len(layers)` of
-      those it was given), a tuple.
-    measured: the training step's `tfremat.planner.Measured` peaks so.
-    measured_keep: the same with none rematerialized.
-    budget_bytes: the budget in bytes.
-    nested: whether their own layers are rematerialized too
-      (`remat_in_place(layers, nested=True)`).
-    search: what was measured to choose it (`tfremat.planner.Search`).
-  """
-  layers: tuple
-  measured: object
-  measured_keep: object
-  budget_bytes: int
-  nested: bool = False
-  search: object = dataclasses.field(default=None, compare=False, repr=False)
-
-  def __post_init__(self):
-    object.__setattr__(self, "layers", tuple(self.layers))
-
-  def __str__(self):
-    mib, keep = units.format_bytes, self.measured_keep.peak_bytes
-    nested = ", nested," if self.nested else ""
-    return (f"{len(self.layers)} layer(s){nested} rematerialized in place: "
-            f"training step peak {mib(self.measured.peak_bytes)} "
-            f"({self.measured.peak_bytes / keep:.2f}x of {mib(keep)} "
-            f"without), bound {mib(self.measured.bound_bytes)} within the "
-            f"budget of {mib(self.budget_bytes)}")
-
-
-def _state(model):
-  """The variables a training step changes: the model's and its optimizer's
-  (built first, so that its slots exist before they are saved)."""
-  optimizer = model.optimizer
-  if not optimizer.built:
-    optimizer.build(model.trainable_variables)
-  return list(model.variables) + list(optimizer.variables)
-
-
-def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
-                              nested=True, settings=search.DEFAULT_SETTINGS):
-  """`remat_in_place` on as few of `layers` as keep a training step within
-  `budget`, measured on `model.train_on_batch(x, y)`.
-
-  For a compiled model whose class must stay (a KerasHub task): it measures
-  the step with none of `layers` rematerialized, with all, and then searches
-  (by halving) for the fewest, taken from the front of `layers` (for a
-  chain of repeated blocks, which ones matters little), whose bound fits.
-  If even all of them do not fit, it measures them nested
-  (`remat_in_place(layers, nested=True)`: slower, lower), unless `nested`
-  is False. It chooses through the planner's one budget search: a choice's
-  bound (`tfremat.planner.Measured`) is the largest peak of
-  `settings.check_calls` steps, plus their spread, plus the reserve. Every
-  variable of the model and of its optimizer is put back after measuring,
-  and the model's train function is traced anew.
-
-  Args:
-    model: a compiled Keras model that `layers` belong to.
-    layers: Keras 3 layers of `model`, e.g. a KerasHub backbone's
-      `transformer_layers`.
-    budget: bytes, a string with a unit ("200MiB"), or a fraction of the
-      measured peak with none rematerialized (0.6, "60%").
-    x, y: a batch, as `model.train_on_batch` takes it (a KerasHub task
-      takes strings and no `y`).
-    policy: the save policy of every rematerialized layer.
-    nested: whether it may rematerialize the layers' own layers too, when
-      the layers alone do not fit.
-    settings: the planner's `tfremat.planner.Settings`.
-
-  Returns:
-    An `InPlaceBudget`; its `layers` are left rematerialized.
-
-  Raises:
-    ValueError: the budget cannot be met even with every layer
-      rematerialized (a `tfremat.errors.BudgetUnreachableError`: the
-      message and its `lowest_fraction` give the lowest fraction measured),
-      or the model is not compiled.
-  """
-  layers = keras_layers(layers, "remat_in_place_for_budget")
-  budget = Budget.parse(budget)
-  if not isinstance(nested, bool):
-    raise errors.InvalidTypeError(
-        f"remat_in_place_for_budget: nested is True or False; got "
-        f"{nested!r}.")
-  if policy is not None:
-    policy = policies.get(policy)
-  if getattr(model, "optimizer", None) is None:
-    raise errors.InvalidArgumentError(
-        "remat_in_place_for_budget measures model.train_on_batch: compile "
-        "the model first (model.compile(optimizer=..., loss=...)).")
-  n = len(layers)
-
-  def peaks(key):
-    count, nest = key
-    undo_remat_in_place(layers)
-    if count:
-      remat_in_place(layers[:count], policy=policy, nested=nest)
-    model.make_train_function(force=True)
-    try:
-      return measure.peaks(model.train_on_batch, x, y,
-                           calls=settings.check_calls)
-    finally:
-      snapshot.restore()
-      model.reset_metrics()
-
-  tried = "rematerialized, and nested," if nested else "rematerialized,"
-  with measure.restoring(_state(model)) as snapshot:
-    try:
-      found = search.fit_budget(
-          budget, peaks, (0, False),
-          lambda budget_bytes, keep: _fewest_that_fit(n, nested),
-          rank=lambda key: (key[1], key[0]),  # Unnested, then fewest.
-          settings=settings,
-          refusal=dict(
-              subject=(f"remat_in_place_for_budget: with all {n} layer(s) "
-                       f"{tried} nothing fits"),
-              fix=("give more of the model's layers, a save policy that "
-                   "keeps less, or a smaller batch")))
-    finally:
-      undo_remat_in_place(layers)
-  count, nest = found.chosen.key
-  if count:
-    remat_in_place(layers[:count], policy=policy, nested=nest)
-  model.make_train_function(force=True)
-  return InPlaceBudget(layers[:count], found.chosen.measured,
-                       found.keep.measured, found.budget_bytes, nested=nest,
-                       search=found)
-
-
-def _fewest_that_fit(n, nested):
-  """`remat_in_place_for_budget`'s candidates, for `search.fit_budget`: a
-  generator of `((k, nested), why)` for the first k of n layers, sent each
-  one's Trial. All n; if they fit, the fewest that fit, by halving; if not
-  and `nested`, all n nested."""
-  trial = yield (n, False), f"all {n} layers rematerialized"
-  if not trial.fits:
-    if nested:
-      # Every layer alone is over: each layer's rerun holds all of its own
-      # layers' working sets at once; nested, one at a time.
-      yield (n, True), f"all {n} layers rematerialized, nested"
-    return
-  low, high = 0, n  # low does not fit; high does.
-  while high - low > 1:
-    middle = (low + high) // 2
-    trial = yield (middle, False), f"the first {middle} rematerialized"
-    if trial.fits:
-      high = middle
-    else:
-      low = middle

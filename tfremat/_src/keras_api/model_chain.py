@@ -12,7 +12,7 @@ from keras.src.models import functional
 import numpy as np
 
 from tfremat._src.keras_api import chain_layers as chain_lib
-from tfremat._src.planning.cost_model import Segment
+from tfremat._src.keras_api.segments import Segment
 
 __all__ = [
     "chain_units",

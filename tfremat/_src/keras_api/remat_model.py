@@ -23,20 +23,18 @@ import warnings
 import keras
 import tensorflow as tf
 
-from tfremat._src.keras_api import chain_layers
-from tfremat._src.planning import chain_measure
-from tfremat._src.planning import chain_plan as chain_lib
 from tfremat import errors
 from tfremat._src.core import policies as policies_lib
-from tfremat._src.keras_api import model_chain
 from tfremat._src.core import remat
-from tfremat._src.planning import search
+from tfremat._src.keras_api import model_chain
 from tfremat._src.keras_api.layers import RematerializationLayer
-from tfremat._src.keras_api.layers import refuse_keras2
 from tfremat._src.keras_api.model_chain import chain_units
 
 __all__ = [
-    "remat_model",
+    "remat_by_mode",
+    "check_model",
+    "check_mode_arguments",
+    "warn_if_unsaveable",
     "chain_units",
     "RematerializeActivation",
     "MODES",
@@ -178,91 +176,10 @@ def check_mode_arguments(caller, mode, modes, output_size_threshold,
         f"{mode!r}.")
 
 
-def remat_model(model, mode="full", output_size_threshold=1024,
-                layer_names=None, policy=None, budget=None, sample_input=None,
-                policies=policies_lib.PLANNED, verbose=1, settings=None):
-  """`model` with the chosen layers rematerialized.
-
-  Args:
-    model: a built `keras.Sequential` or functional `keras.Model`.
-    mode: which layers, with `keras.RematScope`'s meanings:
-      "full": every layer of `model`; a nested model (a transformer block
-        built as a functional model, say) is rematerialized as one unit.
-        Where the model is a chain of small parts (`chain_units`: a CNN's
-        single layers), consecutive parts are grouped into rematerialized
-        segments of one `tfremat.RematSequential`, as a layer alone would
-        keep its input, the previous layer's output; layers before the
-        chain's first cut and after its last are then kept.
-      "larger_than": every layer of `model` (a nested model as one unit)
-        whose output has more than `output_size_threshold` elements, sized
-        on `sample_input` when given, else with each unknown dimension
-        (batch, sequence length) counted as 1. On a chain of small parts,
-        runs of consecutive selected parts are grouped as for "full".
-      "activations": the activation function of every layer that has one
-        (`Dense(..., activation="gelu")`), inside nested models too, where
-        recomputing it frees memory; the rest of each such layer's call is
-        kept. Functions whose gradient reads only their output (relu, tanh,
-        sigmoid, softmax) or only their input (silu, softplus) are left, as
-        are `keras.layers.Activation` layers: recomputed, they would keep
-        their input besides.
-      "list_of_layers": the layers named in `layer_names`, at any depth (a
-        nested model's name wraps the whole nested model).
-    output_size_threshold: for "larger_than".
-    layer_names: for "list_of_layers".
-    policy: the save policy (`tfremat.policies`) of every rematerialized
-      unit (not for "activations", which recompute activation functions
-      only).
-    budget: instead of `mode`, a memory budget for a training step, as for
-      `tfremat.remat_sequential` (bytes, "200MiB", 0.5, "50%"), measured on
-      `sample_input`: the model is cut at the tensors every path from its
-      inputs to its outputs passes through (the residual stream between
-      transformer blocks, say), the parts between consecutive cuts form a
-      chain, and the planner chooses which to keep, rematerialize fully or
-      rematerialize under one of `policies` (`chain_units` shows the cuts).
-      The parts before the first cut and after the last are kept.
-    sample_input: with `budget`, a batch like those the model trains on
-      (under a `tf.distribute` strategy's scope, one replica's batch: each
-      measured step runs in every replica on all of it). With
-      mode="larger_than", a batch on which outputs are sized (one inference
-      call); without it, an unknown dimension counts as 1.
-    policies: with `budget`, the save policies the planner may choose
-      (built-in names or `tfremat.policies` values, your own included).
-    verbose: with `budget`, 1 shows a progress bar while measuring.
-    settings: with `budget`, the planner's `tfremat.planner.Settings`
-      (None: the shipped defaults).
-
-  Returns:
-    A new model of the same kind, built from the same layer objects (no
-    copies: its weights are `model`'s, and training it trains `model`),
-    computing the same function with exact gradients. Nested models that
-    contain chosen layers are rebuilt the same way. It saves to `.keras`
-    and loads without custom objects, as far as its layers give their
-    configurations: where `model` writes its own (a KerasHub backbone) and
-    one of its layers cannot, a warning says so and names
-    `tfremat.remat_in_place`, which keeps `model` itself.
-
-  Raises:
-    TypeError, ValueError: a subclassed or unbuilt model, an unknown mode,
-      threshold or layer name; raised before anything is built.
-    tfremat.errors.BudgetUnreachableError (a ValueError): no plan fits
-      `budget`; its `lowest_fraction` is the lowest bound measured, as a
-      fraction of the original's peak. The model is left as it was.
-  """
-  refuse_keras2(model, "remat_model")
-  if budget is not None:
-    result = _planned(model, budget, sample_input, policies, verbose,
-                      mode=mode, policy=policy, layer_names=layer_names,
-                      settings=settings)
-  else:
-    result = _by_mode(model, mode, output_size_threshold, layer_names, policy,
-                      sample_input)
-  _warn_if_unsaveable(model, result)
-  return result
-
-
-def _by_mode(model, mode, output_size_threshold, layer_names, policy,
-             sample_input):
-  """`remat_model(model, mode)`: the layers `mode` chooses, rematerialized."""
+def remat_by_mode(model, mode, output_size_threshold, layer_names, policy,
+                  sample_input):
+  """`remat_model(model, mode)`: the layers `mode` chooses, rematerialized
+  (`tfremat.remat_model` documents the modes)."""
   _check(model, mode, output_size_threshold, layer_names)
   if policy is not None:
     if mode == "activations":
@@ -308,7 +225,7 @@ _CONFIG_ERRORS = (AttributeError, KeyError, NotImplementedError, TypeError,
                   ValueError)
 
 
-def _warn_if_unsaveable(model, result):
+def warn_if_unsaveable(model, result):
   """Warns when `model` gives its configuration and `result` cannot.
 
   A model that writes its own configuration (a KerasHub backbone) saves
@@ -493,81 +410,7 @@ def _rematerialized(model, choose, wrapper, recurse):
   return keras.models.clone_model(model, clone_function=clone)
 
 
-def _planned(model, budget, sample_input, policy_names, verbose, mode,
-             policy, layer_names, settings=None):
-  """`remat_model(model, budget=...)`: the planner's choice on the model's
-  chain of parts."""
-  if mode != "full" or policy is not None or layer_names is not None:
-    raise errors.InvalidArgumentError(
-        "remat_model: with budget= the planner chooses what to "
-        "rematerialize and under which policy; leave mode, policy and "
-        "layer_names unset (name the policies it may use with policies=).")
-  budget, policy_names = chain_lib.planning_arguments(
-      "remat_model", budget, sample_input, policy_names)
-  planning = ModelPlanning(model)
-  chosen = planning.plan(budget, sample_input, policy_names, verbose=verbose,
-                         settings=settings or search.DEFAULT_SETTINGS)
-  return planning.model_with(chosen)
-
-
-class ModelPlanning:
-  """A model as the planner sees it: its chain of units (`planning_units`),
-  the input the chain takes, and the model rebuilt around a plan for them
-  (`remat_model(model, budget=...)`, `tfremat.largest_batch`)."""
-
-  def __init__(self, model):
-    if not model_chain.is_graph_model(model) or not model.built or not (
-        getattr(model, "inputs", None)):
-      _check(model, "full", 0, None)
-    self.model = model
-    self.parts = model_chain.ModelChain.of(model)
-    if self.parts is None:
-      raise errors.InvalidArgumentError(
-          f"remat_model: {model.name} has fewer than two parts between "
-          "tensors that every path from its inputs to its outputs passes "
-          "through, so there is nothing for a budget to choose between. "
-          "Give mode= instead (\"full\" rematerializes its layers one by "
-          "one).")
-    self.units = model_chain.planning_units(self.parts, model.name)
-
-  def chain_input(self, sample_input):
-    """What the chain's first unit reads, for the model's input."""
-    if self.parts.prefix is None:
-      return sample_input
-    return self.parts.prefix(sample_input)
-
-  @contextlib.contextmanager
-  def reading(self, sample_input):
-    """While open, the units that read the chain's context (a padding mask,
-    token ids) read `sample_input`'s, as they do when measured alone."""
-    contexts = [u for u in self.parts.units
-                if isinstance(u, chain_layers.ContextUnit)]
-    sample_context = (keras.tree.flatten(self.parts.context_of(sample_input))
-                      if self.parts.context else None)
-    for unit in contexts:
-      unit.sample_context = sample_context
-    try:
-      yield
-    finally:
-      for unit in contexts:
-        unit.sample_context = None  # Not kept alive by the model.
-
-  def measure_costs(self, sample_input, policies, settings):
-    """The units' `LayerCost`s on `sample_input`."""
-    with self.reading(sample_input):
-      return chain_measure.measure_chain(
-          self.units, self.chain_input(sample_input), policies=policies,
-          waiting_fraction=settings.waiting_fraction)
-
-  def plan(self, budget, sample_input, policies, verbose=0, costs=None,
-           settings=search.DEFAULT_SETTINGS):
-    """The planner's checked plan for the units on `sample_input`."""
-    with self.reading(sample_input):
-      return chain_lib.checked_plan(
-          self.units, budget, self.chain_input(sample_input),
-          verbose=verbose, policies=policies, costs=costs, settings=settings)
-
-  def model_with(self, chosen):
-    """The model, its chain run as `chosen` says."""
-    return self.parts.model_with(chain_layers.apply_plan(
-        self.units, chosen, name=f"{self.model.name}_chain"))
+def check_model(model):
+  """Raises unless `model` is a built Sequential or functional model with
+  known inputs (`remat_model`'s first check)."""
+  _check(model, "full", 0, None)

@@ -10,11 +10,17 @@ bounds and the budget search.
 import dataclasses
 import math
 import re
+
 import numpy as np
 
 from tfremat import errors
 from tfremat._src.core import policies as policies_lib
 from tfremat._src import units
+from tfremat._src.keras_api.segments import Segment
+from tfremat._src.keras_api.segments import check_segments
+from tfremat._src.keras_api.segments import keep_all
+from tfremat._src.keras_api.segments import policy_of
+from tfremat._src.keras_api.segments import uniform_segments
 
 __all__ = [
     "LayerCost",
@@ -84,7 +90,7 @@ class LayerCost:
     for field in ("policy_costs", "policy_keeps"):
       entries = getattr(self, field)
       if any(isinstance(p, str) for p in entries):
-        object.__setattr__(self, field, {_policy_of(p): value
+        object.__setattr__(self, field, {policy_of(p): value
                                          for p, value in entries.items()})
 
   def get_config(self):
@@ -111,7 +117,7 @@ class LayerCost:
         entries = [[name, *([value] if field == "policy_keeps" else value)]
                    for name, value in entries.items()]
       config[field] = {
-          _policy_of(entry[0]): (entry[1] if field == "policy_keeps" else
+          policy_of(entry[0]): (entry[1] if field == "policy_keeps" else
                                  list(entry[1:]))
           for entry in entries}
     return cls(**config)
@@ -142,42 +148,6 @@ class LayerCost:
   def kept_bytes(self, policy=None):
     """What a rematerialized forward pass keeps beyond its output."""
     return 0 if policy is None else self.policy_costs[policy][0]
-
-
-@dataclasses.dataclass(frozen=True)
-class Segment:
-  """Layers [start, stop) of the chain, rematerialized or kept.
-
-  `policy` is the save policy a rematerialized segment runs under
-  (`tfremat.policies`: a built-in's name, or a policy value such as
-  `save_only_these_names(...)`), or None: everything is recomputed.
-  `nested`, for a rematerialized segment: each of its layers' own layers
-  (one level down, as `tfremat.remat_in_place(..., nested=True)` takes them;
-  for a unit that wraps one layer, that layer's: `tfremat.chain.nest_target`)
-  are rematerialized too, inside the segment's rerun, under the same policy.
-  The cost model does not model nesting: it predicts a nested segment as
-  the same segment not nested.
-  """
-  start: int
-  stop: int
-  remat: bool
-  policy: object = None
-  nested: bool = False
-
-  def __post_init__(self):
-    # A built-in's name or a policy's saved config: its value.
-    if isinstance(self.policy, (str, dict)):
-      object.__setattr__(self, "policy", _policy_of(self.policy))
-
-  def as_list(self):
-    """[start, stop, remat], then the policy (`tfremat.policies.serialize`)
-    if there is one, and True if nested (after the policy, None if there
-    is none): JSON-able."""
-    items = [self.start, self.stop, self.remat]
-    policy = policies_lib.serialize(self.policy)
-    if self.nested:
-      return items + [policy, True]
-    return items + [policy] if policy is not None else items
 
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10,
@@ -238,15 +208,6 @@ class Budget:
     if self.num_bytes is not None:
       return units.format_bytes(self.num_bytes)
     return f"{self.fraction:.0%} of the keep-everything peak"
-
-
-def _policy_of(config):
-  """The policy a saved config names; a name that is no longer a policy
-  (a user's, not importable here) stays a name, for printouts."""
-  try:
-    return policies_lib.deserialize(config)
-  except (ValueError, TypeError):
-    return config if isinstance(config, str) else str(config)
 
 
 def _segment_terms(costs, seg):
@@ -322,23 +283,6 @@ def predict(costs, segments):
   # The loss's gradient arrives while everything retained is still held.
   peak = max(peak, retained + costs[-1].output_bytes)
   return peak, seconds
-
-
-def check_segments(segments, n):
-  """Raises ValueError unless `segments` cover layers [0, n) in order."""
-  stops = [s.start for s in segments[1:]]
-  if (not segments or segments[0].start != 0 or segments[-1].stop != n or
-      [s.stop for s in segments[:-1]] != stops or
-      any(s.stop <= s.start for s in segments)):
-    raise errors.InvalidArgumentError(
-        f"segments must cover layers 0..{n} in order without gaps; got "
-        f"{segments}.")
-  kept_nested = [s for s in segments if s.nested and not s.remat]
-  if kept_nested:
-    raise errors.InvalidArgumentError(
-        f"Only a rematerialized segment can be nested (its layers' own "
-        f"layers rematerialized inside its rerun); got {kept_nested}. Give "
-        "remat=True, or nested=False.")
 
 
 def segment_policies(costs):
@@ -447,24 +391,6 @@ def smallest_budget(costs, table=None):
     else:
       hi = mid
   return lo
-
-
-def keep_all(num_layers):
-  """The plan that rematerializes nothing."""
-  return [Segment(i, i + 1, False) for i in range(num_layers)]
-
-
-def uniform_segments(num_layers, segments):
-  """`segments` (an int, or "sqrt") equal rematerialized segments."""
-  if segments == "sqrt":
-    segments = max(1, round(math.sqrt(num_layers)))
-  if (not isinstance(segments, int) or isinstance(segments, bool) or
-      not 1 <= segments <= max(1, num_layers)):
-    raise errors.InvalidArgumentError(
-        f"segments must be an int from 1 to the number of layers "
-        f"({num_layers}) or \"sqrt\"; got {segments!r}.")
-  bounds = [round(i * num_layers / segments) for i in range(segments + 1)]
-  return [Segment(lo, hi, True) for lo, hi in zip(bounds, bounds[1:])]
 
 
 def floor_terms(costs):

@@ -44,9 +44,18 @@ def summary_rows(plan):
   if plan.budget_bytes is not None:
     given = ""
     if plan.budget is not None and plan.budget.fraction is not None:
-      given = (f"{plan.budget.fraction:.0%} of the measured peak of keeping "
+      given = ((f"held + " if plan.held is not None else "") +
+               f"{plan.budget.fraction:.0%} of the measured peak of keeping "
                "everything" + (f" ({mib(keep)})" if keep else ""))
     rows.append(("budget", mib(plan.budget_bytes), given))
+    if plan.held is not None:
+      rows.append(("held", mib(plan.held.total_bytes),
+                   f"weights {mib(plan.held.weights_bytes)}, optimizer "
+                   f"{mib(plan.held.optimizer_bytes)}, batch "
+                   f"{mib(plan.held.batch_bytes)}; the step's bound must "
+                   f"fit {mib(plan.step_budget_bytes)}"))
+  if plan.step is not None:
+    rows.append(("measured on", plan.step, _STEPS.get(plan.step, "")))
   if plan.measured is not None:
     m = plan.measured
     versus = (f"; {m.peak_bytes / keep:.2f}x of keeping everything's"
@@ -55,7 +64,8 @@ def summary_rows(plan):
                  f"the largest of {m.calls} calls{versus}"))
     verdict = ""
     if plan.budget_bytes is not None:
-      verdict = ("; within the budget" if m.bound_bytes <= plan.budget_bytes
+      verdict = ("; within the budget"
+                 if m.bound_bytes <= plan.step_budget_bytes
                  else "; over the budget")
     margin = (f" + reserve ({mib(m.reserve_bytes)})"
               if m.reserve_bytes else "")
@@ -74,6 +84,15 @@ def summary_rows(plan):
                "over keeping everything, by the model"))
   return [f"{name:<19}{value:>11}  {note}".rstrip()
           for name, value, note in rows]
+
+
+# What `Plan.step` names, for the printout.
+_STEPS = {
+    "train_on_batch": ("the compiled model's own training step: its loss "
+                       "and its optimizer's update"),
+    "stand-in": ("the gradient of sum(y**2)/2 of the outputs, no loss, no "
+                 "optimizer"),
+}
 
 
 LEGEND = """\

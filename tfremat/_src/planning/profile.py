@@ -1,8 +1,9 @@
-"""Measuring a chain for the planner: one training step's peak
+"""Profiling a chain for the planner: one training step's peak
 (`measure_peaks`), what each layer costs alone and under each save policy
 (`measure_layer`), and the whole chain's `planner.LayerCost`s
-(`measure_chain`), structurally identical layers measured once. Their
-public names are `tfremat.chain`'s.
+(`measure_chain`), structurally identical layers measured once. A model's
+units that read the chain's context (a padding mask) are called with the
+sample's, handed in as `context`. Their public names are `tfremat.chain`'s.
 """
 
 import dataclasses
@@ -10,14 +11,15 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
-from tfremat._src.planning import measure
+from tfremat._src import measuring as measure
 from tfremat._src.core import policies as policies_lib
 from tfremat._src.core import residuals
 from tfremat._src.core import watch
 from tfremat._src.keras_api import chain_layers
-from tfremat._src.planning.cost_model import LayerCost
-from tfremat._src.planning.cost_model import Segment
+from tfremat._src.keras_api.chain_layers import call_link
 from tfremat._src.keras_api.layers import RematerializationLayer
+from tfremat._src.keras_api.segments import Segment
+from tfremat._src.planning.cost_model import LayerCost
 
 __all__ = [
     "training_step",
@@ -52,11 +54,12 @@ def _extra_peak_bytes(more, less, x):
 
 
 def training_step(layer, applications=1, jit=False, traced=None,
-                  relaxed=False):
+                  relaxed=False, context=None):
   """A traced training step of a chain: forward and backward of `layer`
   (applied `applications` times in a row) on a batch, for the loss
   sum(y**2) / 2 summed over its outputs y; returns the input and weight
-  gradients (None for an integer input).
+  gradients (None for an integer input). `context`: the chain's context
+  tensors, for a layer that reads them (`tfremat.chain.ContextUnit`).
 
   The loss must read y: with an incoming gradient that depends only on y's
   shape (such as ones), TensorFlow prunes the forward ops whose values the
@@ -76,7 +79,7 @@ def training_step(layer, applications=1, jit=False, traced=None,
       tape.watch([t for t in tf.nest.flatten(x) if t.dtype.is_floating])
       y = x
       for _ in range(applications):
-        y = layer(y, training=True)
+        y = call_link(layer, y, context, True)
     forward_end = watch.last_op_id(graph)
     # Read after the call: an unbuilt layer makes its weights in it.
     weights = layer.trainable_weights
@@ -131,8 +134,12 @@ def _saved_bytes(traced):
   return total
 
 
-def measure_layer(layer, x, repeats=5, policies=()):
+def measure_layer(layer, x, repeats=5, policies=(), context=None,
+                  clock=measure.median_seconds):
   """Measures `layer` on input `x`; returns (LayerCost, its output).
+  `context`: the chain's context tensors, for a layer that reads them.
+  `clock`: what times its steps (`tfremat.measure.median_seconds`'s
+  arguments and result).
 
   Times are medians of `repeats` calls of traced functions. Bytes come from
   the allocator's statistics around traced calls (`measure.peak_bytes`).
@@ -159,26 +166,30 @@ def measure_layer(layer, x, repeats=5, policies=()):
   that keeps nothing of it runs a full recompute and costs the forward time.
   """
 
-  forward = measure.replicated(lambda x: layer(x, training=True))
+  def run(h):
+    return call_link(layer, h, context, True)
+
+  forward = measure.replicated(run)
   y = forward(x)
   out, inp = _nbytes(y), _nbytes(x)
   grads = _nbytes(layer.trainable_weights)
   traced = {}
-  once = training_step(layer, traced=traced)
+  once = training_step(layer, traced=traced, context=context)
   peak_once = measure.peak_bytes(once, x)
   saved = _saved_bytes(traced)
   if saved is None and y.shape == x.shape and y.dtype == x.dtype:
     # The second application's weight gradients add to the first's in place.
-    saved = _extra_peak_bytes(training_step(layer, 2), once, x) - out
+    saved = _extra_peak_bytes(training_step(layer, 2, context=context), once,
+                              x) - out
   elif saved is None:
-    saved = measure.held_bytes(_taped, layer, x)[1] - out
+    saved = measure.held_bytes(_taped, run, x)[1] - out
   saved = max(0, saved)
   fwd_peak = measure.peak_bytes(forward, x)
   # Keyed by the policies' values: a plan's segments run them.
   policies = tuple(policies_lib.get(p) for p in policies)
   kept, keeps, first_alike, empty = {}, {}, {}, set()
   for p, found in zip(policies, residuals.policy_residuals(
-      lambda h: layer(h, training=True), x, among=policies)):
+      run, x, among=policies)):
     kept[p] = found.total_bytes
     keeps[p] = _kinds_kept(found)
     alike = tuple((r.what.split()[0], r.shape, r.dtype) for r in found)
@@ -189,8 +200,8 @@ def measure_layer(layer, x, repeats=5, policies=()):
       empty.add(p)
   timed = [p for p in policies if first_alike[p] == p and p not in empty]
   policy_steps = [training_step(RematerializationLayer(
-      layer, policy=p)) for p in timed]
-  fwd_s, both_s, *policy_s = measure.median_seconds(
+      layer, policy=p), context=context) for p in timed]
+  fwd_s, both_s, *policy_s = clock(
       [forward, once] + policy_steps, x, repeats=repeats)
   seconds = dict(zip(timed, policy_s))
   policy_costs = {
@@ -213,12 +224,12 @@ def measure_layer(layer, x, repeats=5, policies=()):
   return cost, y
 
 
-def _taped(layer, x):
-  """A forward pass of `layer` under an eager tape: (the tape, the output),
+def _taped(run, x):
+  """A forward pass `run(x)` under an eager tape: (the tape, the output),
   for what the tape holds (`measure_layer`)."""
   with tf.GradientTape() as tape:
     tape.watch(x)
-    y = layer(x, training=True)
+    y = run(x)
   return tape, y
 
 
@@ -307,7 +318,8 @@ WAITING_PROBE_LAYERS = 4
 
 
 def measure_chain(layers, sample_input, repeats=5, progress=None,
-                  policies=(), measure_waiting=False, waiting_fraction=0.2):
+                  policies=(), measure_waiting=False, waiting_fraction=0.2,
+                  context=None):
   """Measures each layer of a chain in turn; returns a list of LayerCost.
 
   Structurally identical layers (`structure_key`) are measured once: the
@@ -332,6 +344,8 @@ def measure_chain(layers, sample_input, repeats=5, progress=None,
   `progress`, a Keras Progbar if given, advances by one per layer (and one
   for the timing of waiting recomputes). `policies` are the save policies
   (names or values) to measure each layer under (`measure_layer`).
+  `context`: the chain's context tensors on the sample, for the layers that
+  read them (a model's units that read a padding mask).
   """
   advance = progress.add if progress is not None else lambda _: None
   costs, x, measured = [], tf.convert_to_tensor(sample_input), {}
@@ -339,26 +353,28 @@ def measure_chain(layers, sample_input, repeats=5, progress=None,
     key = structure_key(layer, x, policies)
     if key is not None and key in measured:
       cost = dataclasses.replace(measured[key], name=layer.name)
-      x = layer(x, training=False)  # The next layer's input, as an input.
+      # The next layer's input, as an input.
+      x = call_link(layer, x, context, False)
     else:
-      cost, x = measure_layer(layer, x, repeats, policies)
+      cost, x = measure_layer(layer, x, repeats, policies, context)
       if key is not None:
         measured[key] = cost
     costs.append(cost)
     advance(1)
   ratio = waiting_fraction
   if measure_waiting and len(costs) > 1:
-    ratio = _waiting_ratio(layers, sample_input, costs, repeats)
+    ratio = _waiting_ratio(layers, sample_input, costs, repeats, context)
     advance(1)
   return [dataclasses.replace(
       c, waiting_recompute_seconds=ratio * c.forward_seconds) for c in costs]
 
 
-def _waiting_ratio(layers, sample_input, costs, repeats):
+def _waiting_ratio(layers, sample_input, costs, repeats, context):
   """The chain's measured waiting cost as a fraction of forward time."""
   n = min(len(layers), WAITING_PROBE_LAYERS)
   probe, x = layers[:n], tf.convert_to_tensor(sample_input)
-  steps = [training_step(chain_layers.RematSequential(probe, segments))
+  steps = [training_step(chain_layers.RematSequential(probe, segments),
+                         context=context)
            for segments in ([Segment(i, i + 1, True) for i in range(n)],
                             [Segment(0, n, True)])]
   singles, whole = measure.median_seconds(steps, x, repeats=repeats)

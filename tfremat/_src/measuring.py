@@ -1,5 +1,8 @@
 """Measuring a step (`tfremat.measure`): its peak from the allocator's
-profiler records, and its time."""
+profiler records, what it leaves allocated, and its time.
+
+A leaf: every layer of the package may measure through it, and it imports
+nothing of tfremat's but its errors and units."""
 
 import contextlib
 import dataclasses
@@ -15,9 +18,11 @@ import numpy as np
 import tensorflow as tf
 
 from tfremat import errors
+from tfremat._src import units
 
 __all__ = [
     "memory_device",
+    "replicas_measured",
     "peak_bytes",
     "peaks",
     "step_peaks",
@@ -37,6 +42,22 @@ __all__ = [
 # threads order independent ops differently, so `peak_bytes` takes the
 # largest over this many calls by default.
 PEAK_CALLS = 5
+
+
+def replicas_measured():
+  """How many replicas of the `tf.distribute` strategy in scope share the
+  measured device's memory (`memory_device`): the logical devices of one
+  CPU share its allocator, each GPU has its own. 1 outside a strategy. A
+  step measured in the strategy's scope counts every replica that shares
+  it: a planner divides by this for one replica's peak."""
+  if not tf.distribute.has_strategy():
+    return 1
+  devices = [d.upper() for d in
+             tf.distribute.get_strategy().extended.worker_devices]
+  kind, index = memory_device().split(":")
+  if kind == "CPU":
+    return max(1, sum("CPU:" in d for d in devices))
+  return max(1, sum(d.endswith(f"GPU:{index}") for d in devices))
 
 
 def memory_device():
@@ -353,6 +374,8 @@ def wait_for(result):
 
 def median_seconds(fns, *args, repeats=5, warmup=True):
   """Median seconds of each `fn(*args)` over `repeats` rounds; a list.
+  (With no `args`, each fn is called with none: `functools.partial` binds
+  each its own.)
 
   Each round calls every fn once, in a shuffled order: drift in the
   machine's speed then touches all alike (timed one after another, two
@@ -380,9 +403,7 @@ def seconds(fns, *args, repeats=5, warmup=True):
   return times
 
 
-def format_bytes(num_bytes):
-  """Bytes as MiB with one decimal, e.g. '79.0 MiB'."""
-  return f"{num_bytes / 2**20:.1f} MiB"
+format_bytes = units.format_bytes
 
 
 def progress_bar(target, unit_name, verbose=1):

@@ -1,0 +1,143 @@
+"""Planned chains (`tfremat.chain`): `remat_sequential`, and the planner's
+plan for a chain checked by measuring its training steps (`checked_plan`)."""
+
+from tfremat import errors
+from tfremat._src.core import policies as policies_lib
+from tfremat._src.keras_api import layers as layers_lib
+from tfremat._src.keras_api.chain_layers import RematSequential
+from tfremat._src.keras_api.segments import uniform_segments
+from tfremat._src.planning import budget as budget_lib
+from tfremat._src.planning import search
+from tfremat._src.planning.apply import apply_plan
+from tfremat._src.planning.cost_model import Budget
+from tfremat._src.planning.runner import ChainRunner
+
+__all__ = [
+    "remat_sequential",
+    "checked_plan",
+]
+
+
+def remat_sequential(layers, segments=None, budget=None, sample_input=None,
+                     verbose=1, policy=None, policies=policies_lib.PLANNED,
+                     settings=search.DEFAULT_SETTINGS):
+  """A Keras layer running `layers` in order, with chosen rematerialization.
+
+  Either uniform segments:
+
+    chain = tfremat.remat_sequential(blocks, segments="sqrt")
+
+  or the planner's choice for a memory budget, measured on a sample batch:
+
+    chain = tfremat.remat_sequential(blocks, budget="50%", sample_input=x)
+    print(chain.plan)
+
+  Args:
+    layers: Keras layers, each taking the previous one's output, or a
+      `keras.Sequential` of them.
+    segments: an int, or "sqrt" for about sqrt(len(layers)) equal segments,
+      every one rematerialized (Chen et al. 2016).
+    budget: instead of `segments`, a memory budget, measured on
+      `sample_input` with the chain's stand-in training step (the gradient
+      of sum(y**2)/2 of its output): bytes as an int or a string with a
+      unit ("200MiB"), which count the chain's weights and the batch
+      besides the step's tensors, or a fraction of the measured peak of
+      keeping everything, as a float in (0, 1] or a percentage ("50%"). The
+      planner picks the fastest choice that fits, checked by measurement
+      (`checked_plan`); when nothing else fits, that may be layers
+      rematerialized with their own layers nested inside their reruns.
+      Every variable of `layers` is left as it was.
+    sample_input: a batch like the ones the chain will train on.
+    verbose: 1 shows a progress bar while the chain is measured; 0 shows
+      nothing.
+    policy: with `segments`, the save policy (`tfremat.policies`) every
+      rematerialized segment runs under.
+    policies: with `budget`, the save policies the planner may choose for
+      each rematerialized segment, besides recomputing everything: built-in
+      names or `tfremat.policies` values, your own included (default:
+      `tfremat.policies.PLANNED`; () for none). Each is measured on every
+      layer.
+    settings: with `budget`, the planner's `tfremat.planner.Settings`.
+
+  Returns:
+    A `RematSequential` layer; `.plan` holds the planner's Plan when a budget
+    was given (also after saving and loading), else None; `.plan.search`
+    what it measured to choose (until saved). Called on inputs of another
+    shape than the sample's, it runs the plan the cost model chooses there
+    (`tfremat.planner.Plan.segments_at`).
+
+  Raises:
+    ValueError, TypeError: bad arguments, before anything is measured.
+    tfremat.errors.BudgetUnreachableError (a ValueError): no plan fits the
+      budget; its `lowest_fraction` is the lowest bound measured, as a
+      fraction of keeping everything's peak (`checked_plan`).
+  """
+  if (segments is None) == (budget is None):
+    raise errors.InvalidArgumentError(
+        "remat_sequential: give either segments (an int or \"sqrt\") or "
+        "budget with sample_input, not both or neither.")
+  layers = layers_lib.keras_layers(layers, "remat_sequential", chain=True)
+  if segments is not None:
+    return RematSequential(layers, uniform_segments(len(layers), segments),
+                           policy=policy)
+  budget, policies = budget_lib.planning_arguments(
+      "remat_sequential", budget, sample_input, policies, policy)
+  chosen = checked_plan(layers, budget, sample_input, verbose=verbose,
+                        policies=policies, settings=settings)
+  return apply_plan(layers, chosen)
+
+
+def checked_plan(layers, budget, sample_input, costs=None, verbose=0,
+                 policies=(), settings=search.DEFAULT_SETTINGS):
+  """The planner's plan for `layers`, checked by measuring training steps on
+  `sample_input`.
+
+  Args:
+    layers: the chain: Keras layers or a `keras.Sequential`.
+    budget: the budget, in any form `tfremat.planner.Budget.parse` reads
+      (bytes, "200MiB", 0.5, "50%"): bytes count the chain's weights and
+      the batch besides the step's tensors; a fraction is of the measured
+      peak of keeping everything.
+    sample_input: the batch to measure on (in a `tf.distribute` strategy's
+      scope, one replica's: every replica steps on all of it).
+    costs: `measure_chain(layers, sample_input)`, if already known.
+    verbose: 1 shows a progress bar over the measurements.
+    policies: save policies (names or values) the planner may choose for a
+      rematerialized segment (measured on each layer unless `costs` is
+      given).
+    settings: the planner's `tfremat.planner.Settings`.
+
+  Keeping everything is measured first, before any layer: a budget below
+  what is held plus the weight gradients its step returns and their
+  reserve is refused then. Every candidate is measured as `apply_plan` runs
+  it (kept layers gated), over `settings.check_calls` training steps
+  (`settings.first_calls` where those are over). Layers whose own layers
+  are worth rematerializing one at a time inside their reruns
+  (`nest_target`: a transformer layer's attention and feed-forward layers)
+  may be nested in the lowest plan, measured before a budget is refused
+  (docs/design.md, "How the planner chooses"). The layers are then profiled
+  and keeping everything measured once more on the sample cut in half (its
+  sequence, or its batch), for the plan's costs at other shapes
+  (`Plan.shapes`).
+
+  Every variable of `layers` is left as it was: measuring runs training
+  steps, which move BatchNormalization statistics and advance dropout seed
+  generators, so their values are put back afterwards.
+
+  Returns:
+    The `tfremat.planner.Plan`; its `search` says what was measured.
+
+  Raises:
+    ValueError: no plan measured fits the budget, or the weight gradients
+      put it out of reach: a `tfremat.errors.BudgetUnreachableError`, whose
+      message gives the lowest bound and what holds it up, whose
+      `lowest_fraction` is that bound as a fraction of keeping
+      everything's peak, and whose `search` is what was measured.
+  """
+  layers = layers_lib.keras_layers(layers, "checked_plan", chain=True)
+  budget = Budget.parse(budget)
+  return budget_lib.plan_budget(
+      budget_lib.Chain(tuple(layers)), ChainRunner(layers),
+      budget_lib.sample_batch(sample_input), budget,
+      policies=budget_lib.planned_policies(policies), costs=costs,
+      settings=settings, verbose=verbose)

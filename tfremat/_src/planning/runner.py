@@ -1,0 +1,296 @@
+"""What runs a candidate's training step: the one thing in planning that runs
+a model. A search hands candidates (segments, ordered) and batches to a
+runner, which applies each through `apply_plan`, builds its step once, and
+returns the peaks of N calls at a batch, their times, and what training
+holds besides the step; everything it trains is put back after each
+measurement. Tests hand the searches a stand-in runner instead.
+
+  ChainRunner    a chain of layers (`remat_sequential`, the builder): the
+                 stand-in step, the gradient of sum(y**2)/2 of its output
+  ModelRunner    a functional model rebuilt around its planned chain
+                 (`remat_model`, `largest_batch`): a compiled model's own
+                 `train_on_batch(x, y)` (its loss, its optimizer's update)
+                 given targets, else the stand-in step of the whole model
+  InPlaceRunner  a compiled model whose layers are rematerialized where
+                 they are (`remat_in_place_for_budget`): `train_on_batch`
+"""
+
+import dataclasses
+import functools
+
+import numpy as np
+import tensorflow as tf
+
+from tfremat._src import measuring as measure
+from tfremat._src.planning import apply
+from tfremat._src.planning import profile
+from tfremat._src.planning.plan import Held
+
+__all__ = [
+    "Batch",
+    "Runner",
+    "ChainRunner",
+    "ModelRunner",
+    "InPlaceRunner",
+    "STAND_IN",
+    "TRAIN_ON_BATCH",
+    "nbytes",
+    "fit_step",
+]
+
+# What `Runner.step` names.
+STAND_IN = "stand-in"
+TRAIN_ON_BATCH = "train_on_batch"
+
+
+def nbytes(tree):
+  """The bytes of the tensors or variables in `tree` (each variable once)."""
+  seen, total = set(), 0
+  for t in tf.nest.flatten(tree):
+    if t is None or id(t) in seen:
+      continue
+    seen.add(id(t))
+    # Keras variables name their dtype with a string.
+    total += int(np.prod(t.shape)) * tf.as_dtype(t.dtype).size
+  return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+  """A batch as a training step takes it: inputs `x` (a tensor or a
+  structure of them, batched along axis 0) and, for a compiled model's
+  `train_on_batch`, targets `y`."""
+  x: object
+  y: object = None
+
+  @property
+  def size(self):
+    return int(tf.nest.flatten(self.x)[0].shape[0])
+
+  def resized(self, size):
+    """The batch with `size` examples: its own repeated and cut."""
+    def one(t):
+      t = tf.convert_to_tensor(t)
+      repeats = -(-size // int(t.shape[0]))
+      return tf.tile(t, [repeats] + [1] * (t.shape.rank - 1))[:size]
+    return Batch(tf.nest.map_structure(one, self.x),
+                 None if self.y is None else tf.nest.map_structure(one, self.y))
+
+  def cut(self, length, to):
+    """The batch with every tensor whose second axis is `length` long (a
+    sequence: token ids, their targets, a padding mask) cut to its first
+    `to`; None where no tensor has such an axis."""
+    found = []
+
+    def one(t):
+      t = tf.convert_to_tensor(t)
+      if t.shape.rank is not None and t.shape.rank >= 2 and t.shape[1] == length:
+        found.append(t)
+        return t[:, :to]
+      return t
+    cut = Batch(tf.nest.map_structure(one, self.x),
+                None if self.y is None else tf.nest.map_structure(one, self.y))
+    return cut if found else None
+
+  @property
+  def nbytes(self):
+    return nbytes([self.x, self.y])
+
+
+class Runner:
+  """Runs candidates' training steps (see the module). `step` names the
+  step it measures (`STAND_IN` or `TRAIN_ON_BATCH`)."""
+
+  step = STAND_IN
+
+  def __init__(self):
+    self._built = {}  # Candidate -> the function that runs its step.
+    self._last = {}  # Candidate -> the batch shapes it last ran on.
+    # Under a tf.distribute strategy, a budget is one replica's: the
+    # replicas that share the measured memory are divided out, and
+    # train_on_batch takes a batch for every replica.
+    self.replicas = measure.replicas_measured()
+    self.in_sync = tf.distribute.get_strategy().num_replicas_in_sync
+
+  def step_batch(self, batch):
+    """What the step runs on for one replica's `batch`: the batch itself
+    (each replica of a strategy runs a stand-in step on all of it)."""
+    return batch
+
+  def state(self):
+    """The variables a step changes, put back after each measurement."""
+    raise NotImplementedError
+
+  def held(self, batch):
+    """What training holds besides the step on `batch` (a `Held`)."""
+    raise NotImplementedError
+
+  def build(self, candidate):
+    """The function of a `Batch` that runs `candidate`'s training step."""
+    raise NotImplementedError
+
+  def _run(self, candidate):
+    if candidate not in self._built:
+      self._built[candidate] = self.build(candidate)
+    return self._built[candidate]
+
+  def _warm_up(self, candidate, batch):
+    """Calls the step once, unmeasured, where it last ran on other shapes
+    (which traces it for these: `fit_step`)."""
+    shape = tuple(tuple(t.shape) for t in tf.nest.flatten([batch.x, batch.y])
+                  if t is not None)
+    if self._last.get(candidate) != shape:
+      measure.wait_for(self._run(candidate)(batch))
+      self._last[candidate] = shape
+
+  def peaks(self, candidate, batch, calls):
+    """Every call's peak of `calls` training steps of `candidate` on
+    `batch` (one replica's, under a strategy); what they trained is put
+    back."""
+    batch = self.step_batch(batch)
+    with measure.restoring(self.state()):
+      self._warm_up(candidate, batch)
+      return [p // self.replicas for p in measure.peaks(
+          self._run(candidate), batch, calls=calls, warmup=False)]
+
+  def seconds(self, candidates, batch, rounds):
+    """The median seconds of each candidate's step on `batch`, over
+    `rounds` rounds calling each once, in shuffled order."""
+    batch = self.step_batch(batch)
+    with measure.restoring(self.state()):
+      for candidate in candidates:
+        self._warm_up(candidate, batch)
+      return measure.median_seconds(
+          [functools.partial(self._run(c), batch) for c in candidates],
+          repeats=rounds, warmup=False)
+
+
+def _stand_in(layer, context=None):
+  """A `Batch` -> the stand-in training step of `layer` on its inputs."""
+  step = profile.training_step(layer, context=context)
+  return lambda batch: step(batch.x)
+
+
+class ChainRunner(Runner):
+  """A chain of layers under the stand-in step."""
+
+  def __init__(self, layers):
+    super().__init__()
+    self.layers = layers
+
+  def state(self):
+    return [v for l in self.layers for v in l.variables]
+
+  def held(self, batch):
+    return Held(weights_bytes=nbytes([l.variables for l in self.layers]),
+                batch_bytes=batch.nbytes)
+
+  def build(self, candidate):
+    return _stand_in(apply.apply_plan(self.layers, candidate))
+
+
+def fit_step(model, batch):
+  """`model.train_on_batch` on `batch`, its train function traced for
+  `batch`'s shapes: made anew where the last call was on other shapes. Keras
+  traces it with `reduce_retracing`, so after a second shape it runs one
+  traced for any batch size, which can peak lower than `fit` on data that
+  divides into batches (a step traced for that batch)."""
+  shapes = tuple(tuple(t.shape) for t in tf.nest.flatten([batch.x, batch.y])
+                 if t is not None)
+  # Held on the model object: the train function it belongs to is there.
+  if getattr(model, "_tfremat_traced_for", None) != shapes:
+    model.make_train_function(force=True)
+    object.__setattr__(model, "_tfremat_traced_for", shapes)
+  return model.train_on_batch(batch.x, batch.y)
+
+
+def _optimizer_variables(model):
+  """A compiled model's optimizer's variables (built first, so that its
+  slots exist)."""
+  optimizer = model.optimizer
+  if not optimizer.built:
+    optimizer.build(model.trainable_variables)
+  return list(optimizer.variables)
+
+
+def _state(model):
+  """A compiled model's variables and its optimizer's."""
+  return list(model.variables) + _optimizer_variables(model)
+
+
+def _global(batch, replicas):
+  """One replica's `batch` as `train_on_batch` takes it under a strategy of
+  `replicas` replicas: each gets as many rows."""
+  return batch if replicas == 1 else batch.resized(replicas * batch.size)
+
+
+def _held(model, batch, fit):
+  return Held(
+      weights_bytes=nbytes(list(model.variables)),
+      optimizer_bytes=nbytes(_optimizer_variables(model)) if fit else 0,
+      batch_bytes=batch.nbytes)
+
+
+class ModelRunner(Runner):
+  """A functional model whose chain (`ModelChain`, cut into `units`) runs
+  each candidate: with `fit`, the compiled model's `train_on_batch`, the
+  candidate model compiled as the original (`compiled_like`, sharing its
+  optimizer); else the stand-in step of the whole model."""
+
+  def __init__(self, model, chain, units, fit):
+    super().__init__()
+    self.model, self.chain, self.units, self.fit = model, chain, units, fit
+    self.step = TRAIN_ON_BATCH if fit else STAND_IN
+
+  def state(self):
+    return _state(self.model) if self.fit else list(self.model.variables)
+
+  def held(self, batch):
+    return _held(self.model, batch, self.fit)
+
+  def step_batch(self, batch):
+    return _global(batch, self.in_sync) if self.fit else batch
+
+  def build(self, candidate):
+    planned = apply.apply_plan(self.units, candidate, chain=self.chain,
+                               name=f"{self.model.name}_chain")
+    if not self.fit:
+      return _stand_in(planned)
+    apply.compiled_like(planned, self.model)
+    return functools.partial(fit_step, planned)
+
+
+class InPlaceRunner(Runner):
+  """A compiled model whose `layers` each candidate rematerializes in
+  place (one candidate at a time), measured on `train_on_batch`."""
+
+  step = TRAIN_ON_BATCH
+
+  def __init__(self, model, layers):
+    super().__init__()
+    self.model, self.layers = model, layers
+    self._current = None
+
+  def state(self):
+    return _state(self.model)
+
+  def held(self, batch):
+    return _held(self.model, batch, True)
+
+  def step_batch(self, batch):
+    return _global(batch, self.in_sync)
+
+  def build(self, candidate):
+    def run(batch):
+      if self._current != candidate:
+        self.apply(candidate)
+      return fit_step(self.model, batch)
+    return run
+
+  def apply(self, candidate):
+    """Leaves the model's layers rematerialized as `candidate` says."""
+    apply.apply_plan(self.layers, candidate, place=True)
+    self.model.make_train_function(force=True)
+    object.__setattr__(self.model, "_tfremat_traced_for", None)
+    self._current = candidate
+    self._last.clear()  # The train function is traced anew.
