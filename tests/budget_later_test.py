@@ -260,7 +260,7 @@ def _issue_mlp():
 def _issue_lm():
   """(model, x, y): a six-block transformer LM with an 8000-word head,
   compiled with Adam, at batch 16 and sequence 128."""
-  model = models.flat_lm(6, 8000, 128, 128, 4)
+  model = models.flat_lm(6, 8000, None, 128, 4)  # Any sequence length.
   model.compile(optimizer="adam",
                 loss=keras.losses.SparseCategoricalCrossentropy(
                     from_logits=True))

@@ -829,12 +829,12 @@ def test_search_budget_is_the_one_search_every_budget_goes_through():
                          rank=lambda key: -peaks[key][0])
   assert found.chosen.candidate == "a" and found.budget_bytes == 60
   assert measured == ["keep", "over", "c", "b", "a"]
-  assert found.keep.measured == planner.Measured(100, 100, calls)
+  first = _SHIPPED.first_calls
+  assert found.keep.measured == planner.Measured(100, 100, first)
   assert found.chosen.measured == planner.Measured(60, 60, calls)
-  # One rule for every check: the first calls, and the rest only where
-  # those fit ("over" and "c" stopped after them).
-  assert [t.measured.calls for t in found.trials] == [
-      calls, _SHIPPED.first_calls, _SHIPPED.first_calls, calls, calls]
+  # One rule for every check: each candidate probed over the first calls,
+  # and the one chosen (the first by rank of those that fit) over the rest.
+  assert [t.measured.calls for t in found.trials] == [first] * 4 + [calls]
   # The record: every trial, in order, why, and whether it fits.
   assert [(t.candidate, t.why, t.fits) for t in found.trials] == [
       ("keep", "keeping everything", False), ("over", "try over", False),

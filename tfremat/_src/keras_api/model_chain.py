@@ -143,19 +143,27 @@ def _group_segments(parts, chosen=None):
 
 
 def planning_units(parts, name):
-  """The units the planner chooses between: the chain's units, or, where
-  `mode="full"` would group them (single layers of a CNN), those groups,
-  each a `keras.Sequential`. A single layer rematerialized alone keeps its
-  input and saves little, and measuring dozens of them one by one is slow;
-  the groups are what saves memory, and the planner then decides which to
-  keep and under which policy to rematerialize the others."""
-  segments = _group_segments(parts)
+  """The units the planner chooses between: the chain's units, each run of
+  consecutive single built-in layers (a CNN's convolutions, normalizations
+  and activations) grouped as `mode="full"` would group it, each group a
+  `keras.Sequential`. A single layer rematerialized alone keeps its input
+  and saves little, and measuring dozens of them one by one is slow; a part
+  of several layers (a residual block between two cuts) stays a unit of its
+  own, so that the planner chooses block by block (it makes longer
+  segments of them itself)."""
+  single = [not is_graph_model(u) and is_builtin(u) and
+            not isinstance(u, chain_lib.ContextUnit) for u in parts.units]
+  segments = _group_segments(parts, single)
   if segments is None:
     return parts.units
-  return [parts.units[s.start] if s.stop - s.start == 1 else
-          keras.Sequential(parts.units[s.start:s.stop],
-                           name=f"{name}_group{k}")
-          for k, s in enumerate(segments)]
+  units = []
+  for s in segments:
+    if s.remat and s.stop - s.start > 1:
+      units.append(keras.Sequential(parts.units[s.start:s.stop],
+                                    name=f"{name}_group{len(units)}"))
+    else:  # One unit, or a run of parts that are not single layers.
+      units += parts.units[s.start:s.stop]
+  return units
 
 
 def _topological_nodes(model):

@@ -64,23 +64,28 @@ def profiled(chain, batch, policies, settings, progress=None):
 
 
 def plan_budget(chain, runner, batch, budget, *, policies=(), costs=None,
-                settings=search.DEFAULT_SETTINGS, verbose=0, fit_shapes=True):
+                settings=search.DEFAULT_SETTINGS, verbose=0, fit_shapes=None):
   """The planner's plan for `chain` within `budget`, checked by measuring
-  `runner`'s training step on `batch`, and fitted over shapes.
+  `runner`'s training step on `batch`, and, with `fit_shapes` (by default
+  for a budget in bytes), fitted over shapes (`shape_fit`).
 
   Keeping everything is measured first, before any unit is profiled: a
-  budget that what training holds, or the weight gradients plus their
-  reserve, put out of reach is refused then. Every variable the runner
+  budget put out of reach by what training holds, or by the weight
+  gradients plus their reserve, is refused then. Every variable the runner
   trains is left as it was.
 
   Returns:
     The `tfremat.planner.Plan`; its `search` says what was measured, its
-    `shapes` how its costs change with the input's shape (None where
-    `fit_shapes` is False or the sample cannot be cut).
+    `shapes` how its costs change with the input's shape (None without
+    `fit_shapes`: a fraction of the step's peak holds at another shape
+    with the same segments).
 
   Raises:
     tfremat.errors.BudgetUnreachableError (a ValueError).
   """
+  budget = Budget.parse(budget)
+  if fit_shapes is None:  # A fraction holds at another shape as it is.
+    fit_shapes = budget.num_bytes is not None
   units = list(chain.units)
   steps = ((len(units) if costs is None else 0) + 1 + settings.rounds + 3 +
            (2 if fit_shapes else 0))
@@ -94,8 +99,8 @@ def plan_budget(chain, runner, batch, budget, *, policies=(), costs=None,
         floor_bytes=nbytes([u.trainable_weights for u in units]),
         num_layers=len(units))
     if fit_shapes:
-      plan = plan.replace(shapes=shape_fit(
-          chain, runner, batch, plan, policies, settings))
+      plan = plan.replace(shapes=shape_fit(chain, runner, batch, plan,
+                                           settings))
   if progress is not None:
     progress.update(progress.target, finalize=True)
   return plan
@@ -131,7 +136,7 @@ def _built_variables(chain, batch):
   return [v for unit in chain.units for v in unit.variables]
 
 
-def shape_fit(chain, runner, batch, plan, policies, settings):
+def shape_fit(chain, runner, batch, plan, settings):
   """How the chain's costs, and what the measured step holds beyond them,
   change with the input's shape (`shapes.ShapeFit`): the units profiled
   and keeping everything measured on the sample cut in half along the
@@ -143,13 +148,16 @@ def shape_fit(chain, runner, batch, plan, policies, settings):
     cut = (batch.resized(half) if axis == 0 else
            batch.cut(shape[axis], half))
     try:
-      half_costs = profiled(chain, cut, policies, settings) if cut else None
+      # Without save policies: what a policy keeps is fitted as the layer's
+      # saved tensors are (`ShapeFit.costs_at`).
+      half_costs = profiled(chain, cut, (), settings) if cut else None
     except ValueError:  # A model built for one length (or batch) only.
       half_costs = None
     if half_costs is None:
       continue
     keep = search.Candidate(keep_all(len(plan.costs)))
-    half_keep = search.check(runner, keep, cut, None, settings).peak_bytes
+    half_keep = max(search.checked_peaks(runner, keep, cut, None, settings,
+                                         probe=True))
     half_overhead = half_keep - predict(half_costs,
                                         keep_all(len(half_costs)))[0]
     return shapes.ShapeFit(shape, axis, half, half_costs,

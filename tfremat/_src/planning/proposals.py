@@ -45,7 +45,8 @@ def next_plan(costs, trials, step_bytes, settings,
      round's plan as measured (below its predicted peak if it did not fit).
      Rounds stop after `rounds` plans, when a plan fits and no faster one is
      predicted to, when a target gives a plan already measured, or when the
-     next plan is not predicted `faster_by` faster than one that fits.
+     next plan is not predicted `faster_by` faster than one that fits and
+     peaks at `use_at_least` of the room or more.
   2. "alone": every layer rematerialized alone (`remat_model(mode="full")`
      on a chain of blocks), when no plan fits or the model predicts it
      faster than each that does.
@@ -108,12 +109,17 @@ def _round(costs, trials, step_bytes, settings):
   candidate = Candidate(chosen.segments)
   if candidate in {t.candidate for t in rounds}:
     return None  # Converged: this target gives a plan already measured.
+  fitting = [t for t in rounds if t.measured.bound_bytes <= step_bytes]
   fastest = min((predict(costs, list(t.candidate.segments))[1]
-                 for t in rounds if t.measured.bound_bytes <= step_bytes),
-                default=None)
-  if (fastest is not None and
+                 for t in fitting), default=None)
+  roomy = any(t.measured.peak_bytes < settings.use_at_least * step_bytes
+              for t in fitting if predict(costs, list(
+                  t.candidate.segments))[1] == fastest)
+  if (fastest is not None and not roomy and
       chosen.seconds > fastest - settings.faster_by * keep_seconds):
-    return None  # Not worth measuring: too little faster than one that fits.
+    # Not worth measuring: too little faster than one that fits, which
+    # uses the room.
+    return None
   return candidate, "round", why
 
 

@@ -255,18 +255,20 @@ def search_budget(budget, runner, batch, propose, rank, *,
 
   1. What training holds besides the step (`runner.held(batch)`) is
      counted; keeping everything (`Candidate(keep_all(n))`, the first
-     proposal) is measured over `settings.check_calls` steps. A fractional
-     budget is a fraction of its largest peak; a byte budget leaves the
-     step what is not held.
+     proposal) is measured over `settings.first_calls` steps (and the rest
+     of `check_calls` where it fits). A fractional budget is a fraction of
+     its largest peak; a byte budget leaves the step what is not held.
   2. A budget that leaves the step less than `floor_bytes` (the weight
      gradients every plan's step ends holding) plus their reserve is
      refused at once: no candidate can meet it.
   3. Keeping everything is chosen if its bound fits, or if the budget is
      100% of it.
   4. `propose(trials, step_bytes)` returns the next `(Candidate, stage,
-     why)` from the trials so far, or None; each is checked (`check`).
-  5. Of the candidates that fit, the first by `rank` (the fastest) is
-     chosen. If none fits, the budget is refused
+     why)` from the trials so far, or None; each is probed over
+     `settings.first_calls` steps.
+  5. The first by `rank` (the fastest) of those that fit is checked over
+     the rest of `settings.check_calls` (`checked_peaks`), and chosen if it
+     still fits; else the next. If none fits, the budget is refused
      (`unreachable_budget_error`, with `refusal`'s words).
 
   `predict(candidate, keep)`, where given, is the peak a candidate is
@@ -283,10 +285,16 @@ def search_budget(budget, runner, batch, propose, rank, *,
   budget = Budget.parse(budget)
   held = runner.held(batch)
   keep, stage, why = propose((), None)
-  kept = check(runner, keep, batch, None, settings)
+  peaks = {keep: checked_peaks(runner, keep, batch, None, settings,
+                               probe=True)}
+  kept = Measured.of(peaks[keep], settings.reserve)
   step_bytes = (budget.bytes_given(kept.peak_bytes) if budget.fraction
                 else budget.num_bytes - held.total_bytes)
   budget_bytes = held.total_bytes + step_bytes
+  if kept.bound_bytes <= step_bytes:  # Checked over every call, below.
+    peaks[keep] = checked_peaks(runner, keep, batch, step_bytes, settings,
+                                done=peaks[keep])
+    kept = Measured.of(peaks[keep], settings.reserve)
   fits_kept = kept.bound_bytes <= step_bytes or budget.fraction == 1.0
   trials = [Trial(keep, stage, why, kept, fits_kept)]
 
@@ -301,27 +309,50 @@ def search_budget(budget, runner, batch, propose, rank, *,
     raise error
   if fits_kept:
     return record(trials[0])
-  measured = {keep}
-  while (proposal := propose(tuple(trials), step_bytes)) is not None:
+  while True:
+    proposal = propose(tuple(trials), step_bytes)
+    if proposal is None:
+      # The fastest that fits by its first calls is checked over the rest of
+      # `check_calls` (one rule: `checked_peaks`). Where it is then over,
+      # the proposer is asked again, knowing it.
+      fitting = sorted((t for t in trials[1:] if t.fits),
+                       key=lambda t: rank(t.candidate))
+      if not fitting:
+        break
+      best = fitting[0]
+      done = checked_peaks(runner, best.candidate, batch, step_bytes,
+                           settings, done=peaks[best.candidate])
+      checked = _trial(best.candidate, best.stage, best.why, done, kept,
+                       step_bytes, settings, best.predicted_bytes)
+      trials[trials.index(best)] = checked
+      if checked.fits:
+        return record(checked)
+      continue
     candidate, stage, why = proposal
-    if candidate in measured:
+    if candidate in peaks or candidate == keep:
       raise errors.UnsupportedError(
           f"The budget search proposed {candidate} twice ({why}).")
-    measured.add(candidate)
-    result = check(runner, candidate, batch, step_bytes, settings)
-    trials.append(Trial(candidate, stage, why, result,
-                        result.bound_bytes <= step_bytes and
-                        result.peak_bytes <= kept.peak_bytes,
-                        predict(candidate, kept) if predict else None))
-  fitting = [t for t in trials if t.fits]
-  if fitting:
-    return record(min(fitting, key=lambda t: rank(t.candidate)))
+    peaks[candidate] = checked_peaks(runner, candidate, batch, step_bytes,
+                                     settings, probe=True)
+    trials.append(_trial(candidate, stage, why, peaks[candidate], kept,
+                         step_bytes, settings,
+                         predict(candidate, kept) if predict else None))
   lowest = min(trials, key=lambda t: t.measured.bound_bytes).measured
   words = dict(refusal or {})
   error = unreachable_budget_error(budget, budget_bytes, held, kept.peak_bytes,
                                    lowest, settings=settings, **words)
   error.search = record()
   raise error
+
+
+def _trial(candidate, stage, why, peaks, kept, step_bytes, settings,
+           predicted):
+  """The `Trial` of `candidate` measured at `peaks`: it fits when its bound
+  is within `step_bytes` and its peak not above keeping everything's."""
+  measured = Measured.of(peaks, settings.reserve)
+  return Trial(candidate, stage, why, measured,
+               measured.bound_bytes <= step_bytes and
+               measured.peak_bytes <= kept.peak_bytes, predicted)
 
 
 def choose_plan(costs, budget, runner, batch=None, *,

@@ -118,9 +118,12 @@ class ShapeFit:
       h = self.half_costs[i] if self.half_costs else c
       changes = {f: int(at(getattr(c, f), getattr(h, f))) for f in _BYTES}
       changes.update({f: at(getattr(c, f), getattr(h, f)) for f in _SECONDS})
+      # The half was profiled without save policies: what a policy keeps
+      # is fitted as the layer's saved tensors, its time as the forward's.
+      kept_share = h.saved_bytes / max(1, c.saved_bytes)
+      time_share = h.forward_seconds / max(1e-12, c.forward_seconds)
       changes["policy_costs"] = {
-          p: [int(at(kept, h.policy_costs.get(p, (kept, sec))[0])),
-              at(sec, h.policy_costs.get(p, (kept, sec))[1])]
+          p: [int(at(kept, kept * kept_share)), at(sec, sec * time_share)]
           for p, (kept, sec) in c.policy_costs.items()}
       found.append(dataclasses.replace(c, **changes))
     return found
