@@ -42,23 +42,24 @@ def test_the_batch_found_fits_on_a_step_traced_for_that_batch():
 
 class _Lines:
   """Stands in for largest_batch's runner: each way's step peaks on a line
-  in the batch and takes a given time, with nothing held besides it.
-  Ways: keeping everything (bound 20 per example), every layer
-  rematerialized (5.25 per example, so 190 fits 1000 bytes and 192 does
-  not; 1 s a step), and every layer nested (`nested`: (bound per batch, s))."""
+  in the batch and takes a given time, with nothing held besides it: keeping
+  everything ("none"), every layer rematerialized ("full": 5.25 per example,
+  so 190 fits 1000 bytes and 192 does not; 1 s a step) and the planner's
+  lowest plan ("lowest"), each (bound per batch, seconds)."""
 
   step = "stand-in"
 
-  def __init__(self, nested, per_example=1.0):
-    self.lines = {"none": (lambda b: 20 * per_example * b, 0.5),
-                  "full": (lambda b: 5.25 * per_example * b, 1.0),
-                  "nested": nested}
+  def __init__(self, lowest, none=(lambda b: 20 * b, 0.5),
+               full=(lambda b: 5.25 * b, 1.0)):
+    self.lines = {"none": none, "full": full, "lowest": lowest}
 
   @staticmethod
   def way(candidate):
-    if not any(s.remat for s in candidate.segments):
+    segments = candidate.segments
+    if not any(s.remat for s in segments):
       return "none"
-    return "nested" if any(s.nested for s in candidate.segments) else "full"
+    return "full" if all(s.stop - s.start == 1 for s in segments) else (
+        "lowest")
 
   def held(self, batch):
     del batch
@@ -74,21 +75,28 @@ class _Lines:
     return [self.lines[self.way(c)][1] for c in candidates]
 
 
-def _found(nested, per_example=1.0):
-  """largest_batch's search at 1000 bytes, in multiples of 2, from a batch
-  of 8, on two stand-in layers with the ways of `_Lines`."""
-  units = (keras.layers.Identity(), keras.layers.Identity())
-  cost = tfremat.planner.LayerCost(
-      "unit", forward_seconds=1.0, backward_seconds=2.0, input_bytes=8,
-      output_bytes=8, saved_bytes=8, forward_transient_bytes=0,
-      backward_transient_bytes=0, weight_grad_bytes=0)
+# Three layers whose lowest plan reruns the first two as one segment: the
+# cost model predicts it 16% below every layer alone (the first layer's
+# large output is not kept), so it is searched after every layer alone.
+_COSTS = tuple(tfremat.planner.LayerCost(
+    name, forward_seconds=1.0, backward_seconds=2.0, input_bytes=inp,
+    output_bytes=out, saved_bytes=10, forward_transient_bytes=0,
+    backward_transient_bytes=transient, weight_grad_bytes=0)
+               for name, inp, out, transient in (("a", 8, 100, 0),
+                                                 ("b", 100, 1, 0),
+                                                 ("c", 1, 1, 500)))
+
+
+def _found(lowest, memory=1000, **lines):
+  """largest_batch's search at `memory` bytes, in multiples of 2, from a
+  batch of 8, on three stand-in layers with the ways of `_Lines`."""
+  units = tuple(keras.layers.Identity() for _ in _COSTS)
   ways = largest_batch_lib.Ways(
-      units, budget_lib.Chain(units), _Lines(nested, per_example),
-      costs=(cost, cost),
-      nestable=(True, True))
+      units, budget_lib.Chain(units), _Lines(lowest, **lines), costs=_COSTS,
+      nestable=(False,) * len(units))
   finder = largest_batch_lib.BatchSearch(
-      ways, Batch(tf.zeros([8, 1])), 1000, tfremat.planner.DEFAULT_SETTINGS,
-      verbose=0)
+      ways, Batch(tf.zeros([8, 1])), memory,
+      tfremat.planner.DEFAULT_SETTINGS, verbose=0)
   return finder.run(2, 3, ())
 
 
@@ -98,33 +106,45 @@ def _trials(found):
 
 def test_the_batch_is_the_largest_multiple_that_fits():
   # Every layer rematerialized fits 190 (a bound of 997.5 of 1000), not
-  # 192: the search ends there, not within a few percent of it.
+  # 192: the search ends there, not within a few percent of it. Only every
+  # layer rematerialized is measured at the sample's batch: it calibrates
+  # the cost model's prediction of every way's batch.
   found = _found((lambda b: 6 * b, 1.5))
   assert (found.batch, found.method) == (190, "full"), _trials(found)
+  assert [t.way for t in found.trials if t.batch == 8] == ["full"]
 
 
-def test_the_ways_that_fit_the_batch_are_timed_against_each_other():
-  # Both fit 190 and neither 192: the faster per example is returned,
-  # whichever search ended there first.
-  found = _found((lambda b: 5.25 * b - 0.5, 1.5))
-  assert (found.batch, found.method) == (190, "full"), _trials(found)
-  assert found.examples_per_second == 190 / 1.0
+def test_a_way_predicted_to_fit_more_is_searched_from_above_the_best():
+  # The lowest plan, predicted to fit more, does (5 per example: 200): it
+  # is searched from one multiple above every layer alone's 190.
+  found = _found((lambda b: 5 * b, 1.5))
+  assert (found.batch, found.method) == (200, "planner"), _trials(found)
+  lowest = [t.batch for t in found.trials if t.way == "lowest"]
+  assert lowest[0] == 192 and max(lowest) > 200, _trials(found)
 
 
-def test_a_slower_way_is_probed_once_above_the_batch_and_not_checked():
-  # "nested" peaks a little above "full" and is slower: after full's search
-  # ends at 190, nested is probed at 192 alone (over), timed at 190 and,
-  # full being faster and fitting, never measured there.
+def test_a_way_no_better_is_probed_once_above_the_batch_and_not_checked():
+  # The lowest plan peaks a little above every layer alone: probed once,
+  # at 192 (over), and neither timed nor checked at 190.
   found = _found((lambda b: 5.3 * b - 7, 1.5))
   assert (found.batch, found.method) == (190, "full")
-  nested = [(t.batch, t.fits) for t in found.trials if t.way == "nested"]
-  assert nested == [(8, True), (192, False)], _trials(found)
+  lowest = [(t.batch, t.fits) for t in found.trials if t.way == "lowest"]
+  assert lowest == [(192, False)], _trials(found)
+
+
+def test_keeping_everything_is_timed_where_it_fits_the_batch_too():
+  # Keeping everything peaks as every layer alone does here: both fit 50,
+  # and the faster per example is returned after timing them.
+  found = _found((lambda b: 30 * b, 1.5), full=(lambda b: 20 * b, 1.0))
+  assert (found.batch, found.method) == (50, "none"), _trials(found)
+  assert found.examples_per_second == 50 / 0.5
 
 
 def test_nothing_fitting_is_its_own_state():
   # Not even a batch of 2 (the multiple) fits, with no rematerialization
   # or any: no method, no model, and the printout names the multiple.
-  found = _found((lambda b: 600 * b, 1.5), per_example=200)
+  found = _found((lambda b: 600 * b, 1.5), none=(lambda b: 4000 * b, 0.5),
+                 full=(lambda b: 1050 * b, 1.0))
   assert (found.batch, found.method, found.model, found.fits) == (
       0, None, None, False), _trials(found)
   assert str(found).startswith("no batch of 2 or more fits"), str(found)

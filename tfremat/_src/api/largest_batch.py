@@ -3,16 +3,17 @@ train at it: `tfremat.largest_batch`.
 
 The memory counts everything training holds: the weights, the optimizer's
 state (for a compiled model given targets), the batch, and the training
-step's own tensors, as `torch.cuda.max_memory_allocated` counts them. The
-ways that peak lowest (every layer rematerialized; the planner's lowest
-plan, nested too) are each measured at the sample's batch; the cost model,
-scaled by that measurement, predicts the largest batch each fits, where
-each is checked first (by the one rule of a planned budget,
-`search.check`); probes through the line of the two nearest the memory
-find its largest multiple. Every layer rematerialized first, and each way
-after it starts one multiple above the best batch so far. At the largest
-batch found, the ways that came near it are timed and checked fastest
-first; the first that fits is returned.
+step's own tensors, as `torch.cuda.max_memory_allocated` counts them. Every
+layer rematerialized is measured at the sample's batch; the cost model,
+scaled by that measurement, predicts the largest batch each way fits
+(every layer rematerialized, the planner's lowest plan, that plan nested,
+keeping everything). Every layer rematerialized is searched from its
+prediction, each probe where the line through the two nearest the memory
+meets it; each other way predicted to fit clearly more is searched from one
+multiple above the best so far. At the largest batch found, the ways that
+fit there (and keeping everything, where predicted to) are timed and
+checked fastest first by the one rule of a planned budget
+(`search.checked_peaks`); the first that fits is returned.
 """
 
 import dataclasses
@@ -64,7 +65,7 @@ class BatchTrial:
   whether the two fit the memory."""
   way: str
   batch: int
-  measured: Measured
+  measured: object
   held_bytes: int
   fits: bool
 
@@ -99,7 +100,7 @@ class LargestBatch:
   batch: int
   model: object
   method: str
-  measured: Measured
+  measured: object
   held: object
   memory_bytes: int
   step: str
@@ -144,33 +145,34 @@ def largest_batch(model, memory, sample_input, *, sample_target=None,
       x = x + keras.layers.Dense(256)(keras.layers.Dense(1024, activation="gelu")(x))
     model = keras.Model(inputs, keras.layers.Dense(10)(x))
     model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = tf.random.normal([128, 256]), tf.zeros([128], tf.int32)
 
-    found = tfremat.largest_batch(model, "96MiB", tf.random.normal([128, 256]),
-                                  sample_target=tf.zeros([128], tf.int32), verbose=0)
+    found = tfremat.largest_batch(model, "96MiB", x, sample_target=y, verbose=0)
     print(found)
-    found.model.fit(x_train, y_train, batch_size=found.batch)  # Compiled as model was.
+    found.model.fit(x, y, batch_size=found.batch, verbose=0)  # Compiled as model was.
 
   (docs/guide.md, "The largest batch for your memory: `largest_batch`",
   runs this example and shows what it prints.)
 
   `memory` counts everything training holds: the weights, the optimizer's
   state (with `sample_target`), the batch and the training step's own
-  tensors (`LargestBatch.held` and `.measured` split it). The ways that
-  peak lowest are each measured at the sample's batch: every layer
-  rematerialized (every unit of the model's chain, as
-  `remat_model(model, "full")` groups them, or every block of a chain),
-  and the plan the planner predicts to peak lowest, on the layers' costs
-  measured at the sample's batch, nested too where the layers have layers
-  of their own (`tfremat.planner`). The cost model, scaled by that
-  measurement, predicts the largest batch each way fits; it is checked
-  there, and probes where the line through the two probes nearest the
-  memory meets it find the largest multiple of `multiple` it fits: every
-  layer rematerialized first, and each way after it first one multiple
-  above the largest batch found so far, and not further if it is over
-  there. At the largest batch of all, every way whose search came within
-  `settings.near_batch` of it (keeping everything too, where its line
-  nearly reaches it) is timed, and checked fastest first: the first that
-  fits is returned (where none fits, the same at a batch a little lower).
+  tensors (`LargestBatch.held` and `.measured` split it). The ways it
+  chooses among: every layer rematerialized (every unit of the model's
+  chain, as `remat_model(model, "full")` groups them, or every block of a
+  chain), the plan the planner predicts to peak lowest on the layers'
+  costs measured at the sample's batch, that plan nested where the layers
+  have layers of their own (`tfremat.planner`), and keeping everything.
+  Every layer rematerialized is measured at the sample's batch; the cost
+  model, scaled by that measurement, predicts the largest batch each way
+  fits. Every layer rematerialized is searched from its prediction, each
+  probe where the line through the two probes nearest the memory meets it,
+  to the largest multiple of `multiple` it fits; each other way predicted
+  to fit `settings.near_batch` more is probed one multiple above the best
+  so far and searched further only if it fits there. At the largest batch
+  of all, the ways that fit there (and keeping everything, where predicted
+  to come within `near_batch` of it) are timed, and checked fastest first:
+  the first that fits is returned (where none fits, the same at a batch a
+  little lower).
 
   Every way is judged as a planned budget is (`tfremat.planner.Settings`:
   `first_calls` steps, then `check_calls` where those fit): the step's
@@ -325,26 +327,29 @@ class BatchSearch:
     first = self.sample.size
     costs = self._add_ways(policies)
     self.note(f"the layers' costs measured at batch {first}")
-    reach = {w: self.predicted(w, costs, first) for w in self.candidates}
-    lowest = [w for w in self.candidates if w != "none"]
-    top = max(reach[w] for w in lowest)
+    full = list(self.candidates["full"].segments)
+    scale = self.bound_at("full", first).bound_bytes / max(
+        1, predict(costs, full)[0])
+    reach = {w: self.predicted(w, costs, first, scale)
+             for w in self.candidates}
+    others = [w for w in self.candidates if w not in ("none", "full")]
+    top = max(reach[w] for w in others + ["full"])
     if multiple is None:
       multiple = 1 << max(0, int(np.log2(max(1.0, 0.01 * top))))
-    found = {}  # Way -> the largest batch found to fit (or, for a way
-    # over one multiple above the best so far, that best: checked later).
-    # Every layer rematerialized first (it fits the most where no plan
-    # does better, and one measurement can rank ways that peak alike
-    # wrongly), then the others, each from one multiple above the best so
-    # far, unless predicted to fit well below another.
-    for way in sorted(lowest, key=lambda w: (w != "full", -reach[w])):
-      if (way == "full" or
-          reach[way] >= (1 - 2.5 * self.settings.near_batch) * top):
-        found[way] = self.largest_of(way, reach[way], multiple,
-                                     max(found.values(), default=0))
-    batch = max(found.values(), default=0)
-    near = [w for w, b in found.items()
-            if batch and b >= (1 - self.settings.near_batch) * batch]
-    if batch and reach["none"] >= (1 - 1.25 * self.settings.near_batch) * batch:
+    # Every layer rematerialized first, then each other way predicted to
+    # fit clearly more than the best so far (by `near_batch`), from one
+    # multiple above that best (if over there, it is not better).
+    found = {"full": self.largest_of("full", reach["full"], multiple)}
+    for way in sorted(others, key=lambda w: -reach[w]):
+      best = max(found.values())
+      if reach[way] >= (1 + self.settings.near_batch) * best:
+        found[way] = self.largest_of(way, reach[way], multiple, best)
+    batch = max(found.values())
+    # Timed against each other at that batch: the ways measured to fit
+    # there, and keeping everything where it is predicted to come within
+    # `near_batch` of it.
+    near = [w for w in found if self.fits_at(w, batch)]
+    if batch and reach["none"] >= (1 - self.settings.near_batch) * batch:
       near.append("none")
     batch, chosen, measured, speed = self.held_ways(near, batch, multiple,
                                                     timing_rounds)
@@ -383,14 +388,14 @@ class BatchSearch:
       self.plans[name] = Plan(costs, segments)
     return costs
 
-  def predicted(self, way, costs, first):
+  def predicted(self, way, costs, first, scale):
     """The largest batch at which the way's step is predicted to fit with
-    what is held: its bound measured at the sample's batch, scaled by the
-    cost model's peak from there (its costs grow with the batch, its
-    weight gradients do not)."""
+    what is held: the cost model's peak at that batch (its costs grow with
+    the batch, its weight gradients do not), times `scale`, every layer
+    rematerialized's measured bound at the sample's batch over its
+    predicted peak (the part of the step the model does not see, its
+    layers outside the chain and its loss, is the same for every way)."""
     segments = list(self.candidates[way].segments)
-    measured = self.bound_at(way, first)
-    scale = measured.bound_bytes / max(1, predict(costs, segments)[0])
 
     def total(batch):
       scaled = [c.scaled(batch / first) for c in costs]
@@ -413,8 +418,8 @@ class BatchSearch:
     """The largest multiple of `multiple` at which `way` fits with what is
     held, searched from its predicted batch (`reach`); 0 if even `multiple`
     does not fit. Where another way fits `best`, the first probe is one
-    multiple above it, and if that is over, `best` is returned unmeasured:
-    whether the way fits there is for `held_ways`."""
+    multiple above it, and if that is over, 0 is returned: the way fits no
+    more than that best."""
     known = {b: self.held_at(b).total_bytes +
              Measured.of(p, self.settings.reserve).bound_bytes
              for (w, b), p in self.peaks.items() if w == way}
@@ -423,13 +428,18 @@ class BatchSearch:
       first = best + multiple
       known[first] = self.total_at(way, first)
       if known[first] > self.memory_bytes:
-        return best
+        return 0  # No better than the best: not searched further.
     batch, _ = search_batch(
         lambda b: (known[b] if b == first and best else
                    self.total_at(way, b)),
         self.memory_bytes, first, multiple,
         max_probes=self.settings.batch_probes, known=known)
     return batch
+
+  def fits_at(self, way, batch):
+    """Whether `way` was measured at `batch` and fit there."""
+    return any(t.way == way and t.batch == batch and t.fits
+               for t in self.trials) and not self.over_at_or_below(way, batch)
 
   def over_at_or_below(self, way, batch):
     """Whether `way` was measured over the memory at `batch` or below it

@@ -290,13 +290,13 @@ def search_budget(budget, runner, batch, propose, rank, *,
   kept = Measured.of(peaks[keep], settings.reserve)
   step_bytes = (budget.bytes_given(kept.peak_bytes) if budget.fraction
                 else budget.num_bytes - held.total_bytes)
-  budget_bytes = held.total_bytes + step_bytes
   if kept.bound_bytes <= step_bytes:  # Checked over every call, below.
     peaks[keep] = checked_peaks(runner, keep, batch, step_bytes, settings,
                                 done=peaks[keep])
     kept = Measured.of(peaks[keep], settings.reserve)
-  fits_kept = kept.bound_bytes <= step_bytes or budget.fraction == 1.0
-  trials = [Trial(keep, stage, why, kept, fits_kept)]
+  trials = [Trial(keep, stage, why, kept, kept.bound_bytes <= step_bytes or
+                  budget.fraction == 1.0)]
+  budget_bytes = held.total_bytes + step_bytes
 
   def record(chosen=None):
     return Search(budget, budget_bytes, held, runner.step, settings,
@@ -307,7 +307,7 @@ def search_budget(budget, runner, batch, propose, rank, *,
   if error is not None:
     error.search = record()
     raise error
-  if fits_kept:
+  if trials[0].fits:
     return record(trials[0])
   while True:
     proposal = propose(tuple(trials), step_bytes)
@@ -315,18 +315,10 @@ def search_budget(budget, runner, batch, propose, rank, *,
       # The fastest that fits by its first calls is checked over the rest of
       # `check_calls` (one rule: `checked_peaks`). Where it is then over,
       # the proposer is asked again, knowing it.
-      fitting = sorted((t for t in trials[1:] if t.fits),
-                       key=lambda t: rank(t.candidate))
-      if not fitting:
+      checked = _check_fastest(runner, batch, trials, peaks, rank, kept,
+                               step_bytes, settings)
+      if checked is None or checked.fits:
         break
-      best = fitting[0]
-      done = checked_peaks(runner, best.candidate, batch, step_bytes,
-                           settings, done=peaks[best.candidate])
-      checked = _trial(best.candidate, best.stage, best.why, done, kept,
-                       step_bytes, settings, best.predicted_bytes)
-      trials[trials.index(best)] = checked
-      if checked.fits:
-        return record(checked)
       continue
     candidate, stage, why = proposal
     if candidate in peaks or candidate == keep:
@@ -337,12 +329,32 @@ def search_budget(budget, runner, batch, propose, rank, *,
     trials.append(_trial(candidate, stage, why, peaks[candidate], kept,
                          step_bytes, settings,
                          predict(candidate, kept) if predict else None))
+  if checked is not None:
+    return record(checked)
   lowest = min(trials, key=lambda t: t.measured.bound_bytes).measured
   words = dict(refusal or {})
   error = unreachable_budget_error(budget, budget_bytes, held, kept.peak_bytes,
                                    lowest, settings=settings, **words)
   error.search = record()
   raise error
+
+
+def _check_fastest(runner, batch, trials, peaks, rank, kept, step_bytes,
+                   settings):
+  """The fastest of `trials` that fits by its first calls, checked over
+  the rest of `check_calls` and put in its place in `trials`; None where
+  none fits."""
+  fitting = sorted((t for t in trials[1:] if t.fits),
+                   key=lambda t: rank(t.candidate))
+  if not fitting:
+    return None
+  best = fitting[0]
+  done = checked_peaks(runner, best.candidate, batch, step_bytes, settings,
+                       done=peaks[best.candidate])
+  checked = _trial(best.candidate, best.stage, best.why, done, kept,
+                   step_bytes, settings, best.predicted_bytes)
+  trials[trials.index(best)] = checked
+  return checked
 
 
 def _trial(candidate, stage, why, peaks, kept, step_bytes, settings,
