@@ -17,7 +17,8 @@ from tfremat import measure
 _RATIO = textwrap.dedent("""
     import json, sys
     import numpy as np, tensorflow as tf
-    from tfremat.bench import methods as bench, measure, models
+    from tfremat import measure, models
+    from tfremat.bench import methods as bench
     blocks, width, batch, jit = 32, 128, 4096, sys.argv[1] == "xla"
     layers = models.residual_mlp(blocks, width, dropout=0.1)
     x = tf.random.stateless_normal([batch, width], seed=[1, 2])
@@ -177,3 +178,54 @@ def test_dropout_masks_are_drawn_when_their_layer_is_reached():
   for draw in draws:
     assert any(ops[name].type == "MatMul" for name in _ancestors(draw)
                if name in ops), draw.name
+
+
+def _lingvo_style(fn, x):
+  """Lingvo's `RematerializeFn`, ported to TF2: the backward pass reruns
+  `fn` on its inputs passed through `tf.where` on a random op, so that the
+  rerun is not merged with the forward pass, and nothing else orders it."""
+  @tf.custom_gradient
+  def call(x):
+    def grad(dy, variables=None):
+      always_true = tf.random.uniform([]) < 2.0
+      again = tf.where(always_true, x, tf.zeros_like(x))
+      with tf.GradientTape() as tape:
+        tape.watch(again)
+        y = fn(again)
+      grads = tape.gradient(y, [again] + list(variables or []),
+                            output_gradients=dy)
+      return grads[0], grads[1:]
+    return fn(x), grad
+  return call(x)
+
+
+def test_lingvos_rerun_runs_in_the_forward_pass_and_saves_nothing():
+  # In a tf.function nothing holds Lingvo's rerun back until the incoming
+  # gradient exists: the executor runs it as soon as its inputs do, in the
+  # forward pass, and keeps what it computed to the backward pass. tfremat's
+  # rerun waits for the incoming gradient.
+  keras.utils.set_random_seed(0)
+  blocks = [keras.Sequential([keras.layers.Dense(1024, activation="gelu"),
+                              keras.layers.Dense(256)]) for _ in range(8)]
+  x = tf.random.stateless_normal([1024, 256], seed=[1, 2])
+  for block in blocks:
+    block(x)
+  weights = [v for b in blocks for v in b.trainable_variables]
+
+  def step(wrap):
+    @tf.function
+    def run(x):
+      with tf.GradientTape() as tape:
+        tape.watch(x)
+        h = x
+        for block in blocks:
+          h = h + wrap(block, h)
+        loss = tf.reduce_sum(h * h)
+      return tape.gradient(loss, [x] + weights)
+    return measure.peak_bytes(run, x, calls=3)
+
+  plain = step(lambda block, h: block(h))
+  lingvo = step(lambda block, h: _lingvo_style(block, h))
+  ours = step(lambda block, h: tfremat.RematerializeFn(block, h))
+  assert lingvo >= 0.9 * plain, (lingvo, plain)
+  assert ours <= 0.5 * plain, (ours, plain)

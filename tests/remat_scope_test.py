@@ -54,21 +54,7 @@ def test_gradients_and_state_equal_the_plain_model(device, mode, scope_mode,
                 device, state=model.variables)
 
 
-def _rematerialized_calls(monkeypatch):
-  """A list that grows by one for each call RematerializeFn rematerializes."""
-  calls = []
-  real = remat_lib.rematerialize_with_losses
-
-  def counted(*args, **kwargs):
-    calls.append(1)
-    return real(*args, **kwargs)
-
-  monkeypatch.setattr(remat_lib, "rematerialize_with_losses", counted)
-  return calls
-
-
-def test_each_mode_chooses_what_keras_remat_scope_would(monkeypatch):
-  calls = _rematerialized_calls(monkeypatch)
+def test_each_mode_chooses_what_keras_remat_scope_would():
   x = tf.random.stateless_normal([8, 32], seed=[1, 2])
 
   def count(activation="gelu", **kwargs):
@@ -76,12 +62,11 @@ def test_each_mode_chooses_what_keras_remat_scope_would(monkeypatch):
     keras.utils.set_random_seed(0)
     with tfremat.RematScope(**kwargs):
       blocks = _blocks(count=1, activation=activation)
-    del calls[:]
-    with tf.GradientTape() as tape:
-      y = _model(blocks)(x, training=True)
-    forward = len(calls)
+    with remat_lib.observed_calls() as calls:
+      with tf.GradientTape() as tape:
+        y = _model(blocks)(x, training=True)
     tape.gradient(y, blocks[0].trainable_variables)
-    return forward
+    return len(calls)
 
   # The block, and inside it each of its four layers.
   assert count(mode="full") == 5
@@ -96,29 +81,26 @@ def test_each_mode_chooses_what_keras_remat_scope_would(monkeypatch):
 
 
 @pytest.mark.parametrize("built_in_scope", [True, False])
-def test_activations_reach_a_dense_the_block_makes_in_build(monkeypatch,
-                                                            built_in_scope):
+def test_activations_reach_a_dense_the_block_makes_in_build(built_in_scope):
   # KerasHub's transformer layers hand their activation to the Dense they
   # make in `build`. Built inside the scope, that Dense has the mode itself;
   # built outside it, the block recomputes the Dense's function. Either way
   # it is recomputed once, not nested.
-  calls = _rematerialized_calls(monkeypatch)
   x = tf.random.stateless_normal([8, 32], seed=[1, 2])
   keras.utils.set_random_seed(0)
   with tfremat.RematScope(mode="activations"):
     block = FeedForward(name="ffn")
     if built_in_scope:
       block.build(x.shape)
-  with tf.GradientTape() as tape:
-    y = block(x, training=True)
+  with remat_lib.observed_calls() as calls:
+    with tf.GradientTape() as tape:
+      y = block(x, training=True)
   assert len(calls) == 1
   assert tape.gradient(y, block.trainable_variables)[0] is not None
   assert block.up.activation is block.activation
 
 
-def test_the_innermost_scope_decides_and_keeps_its_policy(monkeypatch):
-  kept = []
-  monkeypatch.setattr(remat_lib, "_observers", [kept])
+def test_the_innermost_scope_decides_and_keeps_its_policy():
   keras.utils.set_random_seed(0)
   with tfremat.RematScope(mode="full"):
     with keras.RematScope(mode=None):
@@ -135,33 +117,34 @@ def test_the_innermost_scope_decides_and_keeps_its_policy(monkeypatch):
       y = models[0](x, training=True) + models[1](x, training=True)
     return tape.gradient(y, scoped[0].trainable_variables)
 
-  step.get_concrete_function(x)
+  with remat_lib.observed_calls() as kept:
+    step.get_concrete_function(x)
   # One rematerialized call: the named block, keeping its two products.
   assert len(kept) == 1 and len(kept[0].saver.saved) == 2, kept
 
 
-def test_layers_made_elsewhere_are_left_to_keras(monkeypatch):
-  calls = _rematerialized_calls(monkeypatch)
+def test_layers_made_elsewhere_are_left_to_keras():
   keras.utils.set_random_seed(0)
   with keras.RematScope(mode="full"):
     keras_blocks = _blocks(count=1)
   plain = _blocks(count=1)
   x = tf.random.stateless_normal([8, 32], seed=[1, 2])
-  for blocks in (keras_blocks, plain):
-    with tf.GradientTape() as tape:
-      y = _model(blocks)(x, training=True)
-    tape.gradient(y, blocks[0].trainable_variables)
+  with remat_lib.observed_calls() as calls:
+    for blocks in (keras_blocks, plain):
+      with tf.GradientTape() as tape:
+        y = _model(blocks)(x, training=True)
+      tape.gradient(y, blocks[0].trainable_variables)
   assert not calls
 
 
-def test_inference_runs_plain_and_a_saved_model_loads(monkeypatch, tmp_path):
-  calls = _rematerialized_calls(monkeypatch)
+def test_inference_runs_plain_and_a_saved_model_loads(tmp_path):
   keras.utils.set_random_seed(0)
   with tfremat.RematScope(mode="full"):
     blocks = _blocks()
   model = _model(blocks)
   x = tf.random.stateless_normal([8, 32], seed=[1, 2])
-  expected = model(x, training=False)
+  with remat_lib.observed_calls() as calls:
+    expected = model(x, training=False)
   assert not calls
   model.save(tmp_path / "m.keras")
   loaded = keras.models.load_model(tmp_path / "m.keras")
@@ -194,3 +177,28 @@ def test_bad_arguments_fail_before_any_scope_is_entered(kwargs, match):
   with pytest.raises(ValueError, match=match):
     tfremat.RematScope(**kwargs)
   assert keras.layers.Dense(2)._remat_mode is None  # pylint: disable=protected-access
+
+
+def test_keras_scopes_eager_gradients_are_another_networks_and_ours_not():
+  # keras.RematScope reruns through tf.recompute_grad, which draws new
+  # dropout masks: its eager gradients differ from the plain model's by
+  # more than rounding. tfremat.RematScope's equal them.
+  x = tf.random.stateless_normal([8, 32], seed=[1, 2])
+
+  def gradients(scope):
+    keras.utils.set_random_seed(0)
+    with scope:
+      blocks = _blocks()
+    model = _model(blocks)
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(model(x, training=True) ** 2)
+    return [g.numpy() for g in tape.gradient(loss, model.trainable_weights)]
+
+  plain = gradients(keras.RematScope(mode=None))
+  scale = max(abs(g).max() for g in plain)
+
+  def error(grads):
+    return max(abs(a - b).max() for a, b in zip(grads, plain)) / scale
+
+  assert error(gradients(keras.RematScope(mode="full"))) > 0.01
+  assert error(gradients(tfremat.RematScope(mode="full"))) < 1e-5

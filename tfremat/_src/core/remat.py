@@ -85,8 +85,22 @@ autograph_config.CONVERSION_RULES = (
 
 
 # Lists that every rematerialized call made while one is open is appended to
-# (`saved_residuals` reads what a traced call kept).
+# (`saved_residuals` reads what a traced call kept): `observed_calls`.
 _observers = []
+
+
+@contextlib.contextmanager
+def observed_calls():
+  """While open, every rematerialized call made appends its forward pass's
+  record (`_Forward`) to the list this yields, an outer call before the
+  calls nested in it: what `saved_residuals` reads a traced call's kept
+  tensors from."""
+  calls = []
+  _observers.append(calls)
+  try:
+    yield calls
+  finally:
+    _observers.remove(calls)
 
 
 RerunMismatchError = errors.RerunMismatchError

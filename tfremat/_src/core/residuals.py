@@ -167,8 +167,6 @@ def _traced_call(fn, xs, policy_fn):
                if isinstance(leaf, (tf.Tensor, np.ndarray))]
   specs = [tf.TensorSpec.from_tensor(tf.convert_to_tensor(leaves[i]))
            for i in positions]
-  calls = []
-
   @tf.function(autograph=False)
   def traced(*tensors):
     args = list(leaves)
@@ -178,11 +176,8 @@ def _traced_call(fn, xs, policy_fn):
     # Traced, not run: the policy acts here as in any tf.function.
     return remat.RematerializeFn(fn, *args, policy=policy_fn)
 
-  remat._observers.append(calls)  # pylint: disable=protected-access
-  try:
+  with remat.observed_calls() as calls:
     traced.get_concrete_function(*specs)
-  finally:
-    remat._observers.remove(calls)  # pylint: disable=protected-access
   return calls[0], positions
 
 
