@@ -65,6 +65,9 @@ def define_flags():
                     "(all: every one available): " +
                     ", ".join(list(models.APPLICATIONS) +
                               list(models.HUB_BACKBONES)) + ".")
+  flags.DEFINE_list("whole_modes", list(whole.WHOLE_MODES),
+                    "The remat_model modes --whole_models runs beside the "
+                    "original and a budget.")
   flags.DEFINE_string("max_batch", None,
                       "A memory size (\"512MiB\", \"1GiB\"): find, by "
                       "measuring, the largest batch each method trains "
@@ -127,15 +130,20 @@ def _run_max_batch():
   print(tables.environment())
   print(f"largest batch within {measure.format_bytes(memory)} for "
         f"everything training holds, tf.function, {FLAGS.steps} timed rounds")
+  rows = []
   for name in names:
     missing = max_batch.needs(name)
     if missing:
       print(f"{name}: skipped, it needs {missing}", flush=True)
       continue
-    rows = max_batch.measure_model(
+    found = max_batch.measure_model(
         name, memory, FLAGS.steps, FLAGS.blocks, FLAGS.width,
         log=lambda line: print(line, flush=True))
-    print(tables.format_batch_table(rows, memory), flush=True)
+    # Each model's rows as soon as they are measured, then all of them.
+    print(tables.format_batch_table(found, memory) + "\n", flush=True)
+    rows += found
+  if len(names) > 1 and rows:
+    print(f"all models:\n{tables.format_batch_table(rows, memory)}")
   print(tables.BATCH_LEGEND.format(
       rounds=FLAGS.steps, check_calls=planner.DEFAULT_SETTINGS.check_calls,
       first_calls=planner.DEFAULT_SETTINGS.first_calls,
@@ -159,6 +167,15 @@ def _whole_model_names():
   return names
 
 
+def _whole_modes():
+  modes = [m for m in FLAGS.whole_modes if m]
+  unknown = [m for m in modes if m not in whole.WHOLE_MODES]
+  if unknown:
+    raise app.UsageError(f"Unknown --whole_modes {unknown}; choose from "
+                         f"{', '.join(whole.WHOLE_MODES)}.")
+  return modes
+
+
 def _run_whole_models():
   """--whole_models: remat_model's modes and a budget on each model."""
   names = _whole_model_names()
@@ -175,7 +192,8 @@ def _run_whole_models():
   # retrace one of Keras's functions each time).
   with chain.retracing_quiet():
     for name in names:
-      rows += whole.measure_whole_model(name, budget, FLAGS.steps)
+      rows += whole.measure_whole_model(name, budget, FLAGS.steps,
+                                        _whole_modes())
       if progress is not None:
         progress.add(1)
   print(tables.format_whole_table(rows))

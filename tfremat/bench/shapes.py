@@ -99,20 +99,21 @@ def measure_shapes(memory_bytes, shapes=SHAPES, sizes=SIZES, rounds=5,
                        if isinstance(l, tfremat.RematSequential))
   plan = planned_chain.plan
   log(f"planned in {time.perf_counter() - start:.0f} s:\n{plan}")
-  steps, found = [], []
+  found, seconds = [], []
   for batch, seq_len in shapes:
     x = _batch(batch, seq_len, sizes["vocab"])
+    # Traced for this shape (a train function of its own: timed here, one
+    # shape after another, as alternating shapes would retrace it).
     step = lambda x=x: fit_step(planned, x)
-    measure.wait_for(step())  # Traced for this shape.
+    measure.wait_for(step())
     peak = measure.peak_bytes(step, warmup=False)
+    seconds += measure.median_seconds([step], repeats=rounds, warmup=False)
     shape = (batch, seq_len, sizes["width"])
     segments = plan.segments_at(shape)
     held = plan.held.with_batch(plan.shapes.size_ratio(shape)).total_bytes
     found.append((batch, seq_len, segments, held, peak))
-    steps.append(step)
     log(f"batch {batch}, sequence {seq_len}: measured "
-        f"{measure.format_bytes(peak)}")
-  seconds = measure.median_seconds(steps, repeats=rounds, warmup=False)
+        f"{measure.format_bytes(peak)}, {1000 * seconds[-1]:.0f} ms")
   # Times: the cost model's at each shape, scaled by the sample's measured.
   scale = seconds[0] / plan.seconds_at(shapes[0] + (sizes["width"],))
   rows = []

@@ -213,18 +213,19 @@ keras.RematScope: the model built inside keras.RematScope(mode="full"),
 
 def format_batch_table(rows, memory_bytes):
   """`max_batch.BatchRow`s as a text table, each model's ratios against
-  its `none` row."""
+  its `none` row; a method that fit nothing gets one line after it, with
+  the models it failed on and why."""
   header = (f"{'model':<14}{'method':<30}{'batch':>7}{'x none':>8}"
             f"{'held MiB':>10}{'peak MiB':>10}{'bound MiB':>11}"
             f"{'examples/s':>12}{'x none':>8}  note")
   lines = [f"memory: {measure.format_bytes(memory_bytes)}", header,
            "-" * (len(header) + 20)]
-  base = None
+  base, failed = None, {}
   for r in rows:
     if r.method == "none":
       base = r
     if not r.batch:
-      lines.append(f"{r.model:<14}{r.method:<30}{0:>7}{'':>59}  {r.note}")
+      failed.setdefault((r.method, r.note), []).append(r.model)
       continue
     x_batch = r.batch / base.batch if base and base.batch else float("nan")
     x_rate = (r.examples_per_second / base.examples_per_second
@@ -233,7 +234,9 @@ def format_batch_table(rows, memory_bytes):
         f"{r.model:<14}{r.method:<30}{r.batch:>7}{x_batch:>8.2f}"
         f"{r.held_bytes / 2**20:>10.1f}{r.peak_bytes / 2**20:>10.1f}"
         f"{r.bound_bytes / 2**20:>11.1f}{r.examples_per_second:>12.1f}"
-        f"{x_rate:>8.2f}  {r.note}")
+        f"{x_rate:>8.2f}  {r.note}".rstrip())
+  for (method, note), models in failed.items():
+    lines.append(f"{method}: batch 0 on {', '.join(models)}: {note}")
   return "\n".join(lines)
 
 
@@ -248,7 +251,8 @@ batch, sequence: the shape trained on (the first row is the sample the plan
   measured, less 1. total MiB: held plus the measured peak, within the
   budget where it says yes. predicted and measured ms: the step's time, by
   the cost model scaled by the sample's measured time, and the median of
-  {steps} rounds, every shape once per round, in shuffled order."""
+  {steps} calls at that shape (one shape after another: the model's one
+  train function is traced anew for each)."""
 
 
 def format_shape_table(rows):

@@ -18,7 +18,7 @@ WHOLE_MODES = ("full", "activations", "larger_than")
 
 
 
-def measure_whole_model(name, budget=0.5, rounds=5):
+def measure_whole_model(name, budget=0.5, rounds=5, modes=WHOLE_MODES):
   """Rows for the model `name` (`models.whole_model`): the original, each
   of `remat_model`'s modes and a plan for `budget`, measured in this
   process: peak, step time, first call; planning time for the budget."""
@@ -29,7 +29,7 @@ def measure_whole_model(name, budget=0.5, rounds=5):
   # what is measured.
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    for mode in WHOLE_MODES:
+    for mode in modes:
       before = len(caught)
       made[f'"{mode}"'] = tfremat.remat_model(
           model, mode=mode,
