@@ -47,14 +47,26 @@ def _signature(name, obj):
                    "tfremat.planner.DEFAULT_SETTINGS"))
 
 
+def _summary(member):
+  """A module member's line: a policy's description, a function's or
+  class's first paragraph, or a constant's value (its first line, for
+  text)."""
+  from tfremat import policies  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  if isinstance(member, policies.Policy):
+    return member.description
+  if callable(member) or inspect.ismodule(member):
+    return _first_line(member)
+  if isinstance(member, str):
+    return f"the text `{member.splitlines()[0]}` ..."
+  return f"a constant, `{member!r}`"
+
+
 def _entry(prefix, name, obj):
   if inspect.ismodule(obj):
     lines = [f"### `{prefix}{name}` (module)", "", _first_line(obj), ""]
     for inner in getattr(obj, "__all__", ()):
       member = getattr(obj, inner)
-      summary = ("a constant" if not (callable(member) or
-                                      inspect.ismodule(member))
-                 else _first_line(member))
+      summary = _summary(member)
       lines.append(f"- `{prefix}{name}.{inner}`: {summary}")
     return lines + [""]
   if not callable(obj):

@@ -240,24 +240,150 @@ def test_the_cpu_tables_measure_one_state_of_the_package():
   assert len({found[0] for found in trees.values()}) == 1, trees
 
 
-def test_the_readmes_figures_are_in_the_tables():
-  # The headline's and "Costs and limits"' numbers each come from a table
-  # a reader can rerun.
-  readme = ROOT / "README.md"
-  text = readme.read_text()
-  headline = text[:text.index("\n## ")]
-  limits = _section(readme, "Costs and limits")
+def _figures(prose):
+  """The measured figures of prose outside code: a number with a unit (2.5x,
+  35%, 512 MiB, 92 s) or with a decimal point (off by 6.4), but not a
+  library's or Python's version (TensorFlow 2.21, Python 3.10)."""
+  prose = re.sub(r"```.*?```", "", prose, flags=re.S)
+  prose = re.sub(r"`[^`\n]*`", "", prose)  # A setting (`budget=0.5`).
+  prose = re.sub(r"\]\([^)]*\)", "]", prose)  # A link's target.
+  for match in _MEASURED.finditer(prose):
+    if match.group(3) and _VERSION.search(prose[:match.start()][-40:]):
+      continue
+    yield match.group(0), match.group(1) or match.group(3)
+
+
+_MEASURED = re.compile(
+    r"(?<![\w.\-])(\d+(?:\.\d+)?)(x\b|%| [KMG]iB\b| s\b| ms\b| minutes?\b)"
+    r"|(?<![\w.\-])(\d+\.\d+)(?![\w.])")
+_VERSION = re.compile(r"(Python|TensorFlow|Keras|keras-hub|tf-keras|TF)\b")
+
+
+def test_the_readmes_and_guides_figures_are_in_the_tables():
+  # Every number the README and the guide give as measured comes from a
+  # table a reader can rerun, rounded as printed (2.5x from 2.53 counts).
   tables = "\n".join(table for _, _, table in _tables_with_labels())
   found_in = set(re.findall(r"(?<![\w.])\d+(?:\.\d+)?", tables))
-  # Round figures a reader rounds to (2.5x from 2.53) count too.
   for value in list(found_in):
     found_in.add(f"{float(value):.1f}")
     found_in.add(f"{float(value):.0f}")
-  missing = []
-  for part in (headline, limits):
-    prose = re.sub(r"```.*?```", "", part, flags=re.S)
-    for number, unit in _FIGURE.findall(prose):
-      if unit.strip() in ("MiB", "s") or unit in ("x", "%"):
-        if number not in found_in:
-          missing.append(f"{number}{unit}")
+  missing = [f"{page}: {figure}"
+             for page in ("README.md", "docs/guide.md")
+             for figure, number in _figures((ROOT / page).read_text())
+             if number not in found_in]
   assert not missing, missing
+  assert list(_figures("2.53x, off by 6.4, on TensorFlow 2.21 `0.5`")) == [
+      ("2.53x", "2.53"), ("6.4", "6.4")]
+
+
+def _public_names():
+  """Every name a user can reach: the attributes of tfremat's public
+  modules and of their classes, Keras's and TensorFlow's, and Python's
+  built-ins."""
+  import builtins  # pylint: disable=import-outside-toplevel
+  import inspect  # pylint: disable=import-outside-toplevel
+  import keras  # pylint: disable=import-outside-toplevel
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  import tfremat  # pylint: disable=import-outside-toplevel
+  from tfremat import lingvo, measure, models, planner, policies  # pylint: disable=import-outside-toplevel,g-multiple-import
+  names = set(dir(builtins)) | set(dir(dict))
+  for owner in (keras, keras.Model, keras.layers, tf, tf.constant(0.0),
+                tf.distribute.Strategy):
+    names.update(dir(owner))
+  for module in (tfremat, lingvo, measure, models, planner, policies):
+    for name in dir(module):
+      names.add(name)
+      value = getattr(module, name)
+      if inspect.isclass(value) and value.__module__.startswith("tfremat"):
+        names.update(dir(value))
+  return names
+
+
+def _resolves(dotted):
+  """Whether `tfremat.x.y` (or `tf.`, `keras.`) imports and has each
+  attribute."""
+  import importlib  # pylint: disable=import-outside-toplevel
+  parts = dotted.split(".")
+  parts[0] = {"tf": "tensorflow"}.get(parts[0], parts[0])
+  for i in range(len(parts), 0, -1):
+    try:
+      obj = importlib.import_module(".".join(parts[:i]))
+    except ImportError:
+      continue
+    try:
+      for part in parts[i:]:
+        obj = getattr(obj, part)
+    except AttributeError:
+      return False
+    return True
+  return False
+
+
+# Functions of other libraries and of the user that the docs call by name:
+# PyTorch's checkpoint, KerasHub's generate, a user's fn or body.
+_NOT_OURS = {"checkpoint", "checkpoint_sequential", "generate", "fn", "body"}
+
+
+def test_every_name_and_call_the_docs_give_exists():
+  # `tfremat.a.b` anywhere on a page imports; a call in backticks in prose
+  # (`held_bytes()`, `model.save()`) names a function of tfremat, Keras,
+  # TensorFlow, Python, a test (a table's command) or a snippet on the page.
+  import warnings  # pylint: disable=import-outside-toplevel
+  from tfremat.bench import methods  # pylint: disable=import-outside-toplevel
+  known = _public_names() | _NOT_OURS | {
+      name for path in (ROOT / "tests").glob("*.py")
+      for name in re.findall(r"^def (\w+)\(", path.read_text(), re.M)}
+  missing = []
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)  # Earlier paths.
+    for page in PAGES + [ROOT / "CONTRIBUTING.md"]:
+      text = page.read_text()
+      for name in sorted(set(re.findall(r"\btfremat(?:\.\w+)+", text))):
+        if name not in methods.METHODS and not _resolves(name):
+          missing.append(f"{page.name}: {name}")
+      defined = set(re.findall(r"\bdef (\w+)\(", text))
+      prose = re.sub(r"```.*?```", "", text, flags=re.S)
+      for code in re.findall(r"`([^`\n]+)`", prose):
+        for call in re.findall(r"([A-Za-z_][\w.]*)\(", code):
+          if call.startswith(("tf.", "keras.", "tfremat.")):
+            if not _resolves(call):
+              missing.append(f"{page.name}: {call}()")
+          elif call.split(".")[-1] not in known | defined:
+            missing.append(f"{page.name}: {call}()")
+  assert not missing, missing
+
+
+def _example_claims(text):
+  """(example, what the page says of it): in each sentence that names an
+  example file, the text from its name to the next example's name (the
+  whole sentence for one)."""
+  text = re.sub(r"```.*?```", "", text, flags=re.S)
+  text = re.sub(r"\]\([^)]*\)", "]", text)
+  for paragraph in re.split(r"\n\s*\n|\n(?=- )", text):
+    for sentence in re.split(r"(?<=[.:;])\s+(?=[A-Z`(\[])", paragraph):
+      marks = [m for m in re.finditer(r"\b(\w+)\.py\b", sentence)
+               if (ROOT / "examples" / f"{m.group(1)}.py").exists()]
+      for i, mark in enumerate(marks):
+        start = 0 if i == 0 else mark.start()
+        end = marks[i + 1].start() if i + 1 < len(marks) else len(sentence)
+        yield mark.group(1), sentence[start:end]
+
+
+def test_what_the_docs_say_an_example_does_is_in_its_source():
+  # A name in backticks said of an example (`remat_in_place_for_budget`,
+  # `fit`, `tfremat.remat_model(...)`) is in its source, and what it is said
+  # to print (every word of four letters or more after "prints") is in its
+  # source or docstring.
+  wrong = []
+  for page in PAGES:
+    for name, claim in _example_claims(page.read_text()):
+      source = (ROOT / "examples" / f"{name}.py").read_text()
+      for ident in set(re.findall(
+          r"`(?:tfremat\.)?([A-Za-z_]\w*)(?:\([^`]*\))?`", claim)):
+        if not re.search(rf"\b{ident}\b", source):
+          wrong.append(f"{page.name}: {name}.py has no {ident}")
+      for said in re.findall(r"\bprint(?:s|ing)\b(.*)", claim, re.S):
+        for word in re.findall(r"[A-Za-z]\w{3,}", said):
+          if word.lower().rstrip("s") not in source.lower():
+            wrong.append(f"{page.name}: {name}.py prints no {word}")
+  assert not wrong, wrong

@@ -17,6 +17,7 @@ from tfremat import chain
 from tfremat import errors
 from tfremat import lingvo
 from tfremat import measure
+from tfremat import models
 from tfremat import planner
 from tfremat import policies
 from tfremat._src.api.in_place_budget import remat_in_place_for_budget
@@ -102,6 +103,7 @@ __all__ = [
     "hyperparams",
     "lingvo",
     "measure",
+    "models",
     "planner",
     "policies",
 ]

@@ -184,7 +184,8 @@ def _HelperIndex(cls):
     if (name.startswith("_") and not name.startswith("__") and
         callable(helper) and helper.__doc__):
       args = str(inspect.signature(helper)).replace("(self, ", "(", 1)
-      lines.append(f"  {name}{args}\n      {helper.__doc__.splitlines()[0]}")
+      summary = " ".join(helper.__doc__.split("\n\n")[0].split())
+      lines.append(f"  {name}{args}\n      {summary}")
   return "\n".join(lines)
 
 

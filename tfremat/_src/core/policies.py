@@ -3,6 +3,7 @@ as values; their names, serialization and the default's scope."""
 
 import dataclasses
 import functools
+import inspect
 import re
 import threading
 
@@ -133,6 +134,12 @@ class Policy:
     return self.name
 
   @property
+  def description(self):
+    """What the policy keeps, in a sentence."""
+    return inspect.cleandoc(type(self).__doc__).split("\n\n")[0].replace(
+        "\n", " ")
+
+  @property
   def name(self):
     """The policy's name: a built-in's, or how to make it again."""
     return next((n for n, p in BUILT_IN.items() if p == self), self._name())
@@ -157,6 +164,11 @@ class _Kind(Policy):
   """A built-in policy: keeps the outputs of one kind of op."""
   kind: str
   test: object = dataclasses.field(compare=False)
+  says: str = dataclasses.field(compare=False, default="")
+
+  @property
+  def description(self):
+    return self.says
 
   def keeps(self, op):
     return self.test(op)
@@ -201,6 +213,11 @@ class _AnyOf(Policy):
   @property
   def unsave_named_inputs(self):
     return any(getattr(p, "unsave_named_inputs", False) for p in self.parts)
+
+  @property
+  def description(self):
+    return (f"Keeps what any of {', '.join(name_of(p) for p in self._ordered())}"
+            " keeps.")
 
   def keeps(self, op):
     return any(bool(p(op)) for p in self._ordered())
@@ -292,24 +309,32 @@ def _has_batch_dims(op):
 
 
 # Keep nothing: every tensor is recomputed (the default).
-nothing_saveable = _Kind("nothing_saveable", lambda op: False)
+nothing_saveable = _Kind("nothing_saveable", lambda op: False,
+                         "Keeps nothing: every tensor is recomputed (the default).")
 # Keep every op's outputs: nothing is recomputed.
-everything_saveable = _Kind("everything_saveable", lambda op: True)
+everything_saveable = _Kind("everything_saveable", lambda op: True,
+                            "Keeps every op's outputs: nothing is recomputed.")
 # Keep the outputs of matrix products and convolutions.
-dots_saveable = _Kind("dots_saveable", _is_dot)
+dots_saveable = _Kind("dots_saveable", _is_dot, "Keeps the outputs of matrix "
+                      "products and convolutions.")
 # Keep the outputs of matrix products without batch dimensions on both
 # operands (dense layers, projections) and of convolutions; products such as
 # attention's scores are recomputed.
 dots_with_no_batch_dims_saveable = _Kind(
     "dots_with_no_batch_dims_saveable",
-    lambda op: _is_dot(op) and not _has_batch_dims(op))
+    lambda op: _is_dot(op) and not _has_batch_dims(op),
+    "Keeps the outputs of matrix products without batch dimensions on both "
+    "operands (dense layers, projections) and of convolutions.")
 # Keep boolean outputs (dropout masks, comparisons).
 masks_saveable = _Kind(
     "masks_saveable", lambda op: bool(op.output_dtypes) and all(
-        d == tf.bool for d in op.output_dtypes))
+        d == tf.bool for d in op.output_dtypes),
+    "Keeps boolean outputs (dropout masks, comparisons).")
 # Keep the outputs of softmaxes (attention probabilities).
 softmax_saveable = _Kind("softmax_saveable",
-                         lambda op: op.type in ("Softmax", "LogSoftmax"))
+                         lambda op: op.type in ("Softmax", "LogSoftmax"),
+                         "Keeps the outputs of softmaxes (attention "
+                         "probabilities).")
 # The unions, under the names users already use.
 dots_and_masks_saveable = dots_saveable | masks_saveable
 dots_with_no_batch_dims_and_masks_saveable = (
