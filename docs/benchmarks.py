@@ -1,7 +1,7 @@
 """Regenerates the CPU tables of docs/benchmarks.md at the checked-out commit.
 
-  python docs/benchmarks.py                 # every table (about an hour here)
-  python docs/benchmarks.py max_batch_mlp   # some of them, by name (TABLES)
+  python docs/benchmarks.py                 # every table (about two hours here)
+  python docs/benchmarks.py max_batch shapes  # some of them, by name (TABLES)
   python docs/benchmarks.py --list          # the names and their commands
 
 BENCHMARKS_LOG_DIR=DIR keeps all each command printed in DIR/NAME.log: the
@@ -44,12 +44,11 @@ TABLES = {
         "--model", "transformer", "--sweep", "--steps", "30", "--csv",
         "docs/sweep_transformer.csv", "--plot", "docs/sweep_transformer.png"],
                           {}, ROOT),
-    "whole_models": (_BENCH + ["--whole_models", "all", "--steps", "5"], {},
-                     ROOT),
-    **{f"max_batch_{model}": (_BENCH + [
-        "--max_batch", "512MiB", "--max_batch_models", model, "--steps", "5"],
-                              {}, ROOT)
-       for model in ("mlp", "transformer", "GPT2Backbone", "ResNet50")},
+    "whole_models": (_BENCH + ["--whole_models", "all", "--whole_modes",
+                               "full", "--steps", "5"], {}, ROOT),
+    "max_batch": (_BENCH + ["--max_batch", "512MiB", "--steps", "5"], {},
+                  ROOT),
+    "shapes": (_BENCH + ["--shapes", "160MiB", "--steps", "5"], {}, ROOT),
     "cnn_onednn": (_CNN_PEAKS, {"TF_ENABLE_ONEDNN_OPTS": "1"}, ROOT / "tests"),
     "cnn_eigen": (_CNN_PEAKS, {"TF_ENABLE_ONEDNN_OPTS": "0"}, ROOT / "tests"),
 }
@@ -66,25 +65,26 @@ def _shown(name):
 
 
 def _table(output):
-  """The table a command printed: from its header (the line above a line of
-  dashes) to the first blank or legend line; or, without one, the last
-  line (a Python value)."""
+  """The last table a command printed: from its header (the line above a
+  line of dashes, and a "memory: " line above that) to the first blank or
+  legend line, with the lines right after it that start with a method's
+  name (a method that fit nothing); or, without one, the last line (a
+  Python value). What the command logged before it stays in its log."""
   lines = output.rstrip().splitlines()
-  for i, line in enumerate(lines[1:], 1):
-    if re.fullmatch(r"-{20,}", line):
-      start = i - 1
-      if start > 0 and lines[start - 1].startswith("memory: "):
-        start -= 1
-      end = i + 1
-      while (end < len(lines) and lines[end].strip() and
-             not re.match(r"^\S[^:]{0,24}: \S", lines[end])):
-        end += 1
-      # The max-batch search's lines say how long each row's search took.
-      searched = [line for line in lines[:start]
-                  if re.search(r": batch \d+ \(\d+ probes, \d+ s\)", line)]
-      return "\n".join(lines[start:end] + (["", *searched] if searched
-                                            else []))
-  return lines[-1]
+  dashes = [i for i, line in enumerate(lines[1:], 1)
+            if re.fullmatch(r"-{20,}", line)]
+  if not dashes:
+    return lines[-1]
+  i = dashes[-1]
+  start = i - 1
+  if start > 0 and lines[start - 1].startswith("memory: "):
+    start -= 1
+  end = i + 1
+  while (end < len(lines) and lines[end].strip() and
+         (not re.match(r"^\S[^:]{0,24}: \S", lines[end]) or
+          re.match(r"^\S.*: batch 0 on ", lines[end]))):
+    end += 1
+  return "\n".join(lines[start:end])
 
 
 def _commit():
