@@ -1,6 +1,6 @@
 """Regenerates the CPU tables of docs/benchmarks.md at the checked-out commit.
 
-  python docs/benchmarks.py                 # every table (about two hours here)
+  python docs/benchmarks.py                 # every table (about 90 minutes here)
   python docs/benchmarks.py max_batch shapes  # some of them, by name (TABLES)
   python docs/benchmarks.py --list          # the names and their commands
 
@@ -37,16 +37,19 @@ TABLES = {
     "methods": (_BENCH + ["--steps", "20"], {}, ROOT),
     "eager": (_BENCH + ["--eager", "--steps", "10"], {}, ROOT),
     "jit": (_BENCH + ["--jit", "--steps", "10"], {}, ROOT),
-    "sweep_mlp": (_BENCH + ["--sweep", "--steps", "20", "--csv",
+    "sweep_mlp": (_BENCH + ["--sweep", "--steps", "10", "--csv",
                             "docs/sweep_mlp.csv", "--plot",
                             "docs/sweep_mlp.png"], {}, ROOT),
     "sweep_transformer": (_BENCH + [
-        "--model", "transformer", "--sweep", "--steps", "30", "--csv",
+        "--model", "transformer", "--sweep", "--steps", "15", "--csv",
         "docs/sweep_transformer.csv", "--plot", "docs/sweep_transformer.png"],
                           {}, ROOT),
-    "whole_models": (_BENCH + ["--whole_models", "all", "--whole_modes",
-                               "full", "--steps", "5"], {}, ROOT),
-    "max_batch": (_BENCH + ["--max_batch", "512MiB", "--steps", "5"], {},
+    "whole_models": (_BENCH + [
+        "--whole_models", "ResNet50,MobileNetV2,GPT2Backbone,BertBackbone,"
+        "LlamaBackbone,GemmaBackbone", "--whole_modes", "full", "--steps",
+        "5"], {}, ROOT),
+    "max_batch": (_BENCH + ["--max_batch", "512MiB", "--max_batch_models",
+                            "transformer,GPT2Backbone", "--steps", "5"], {},
                   ROOT),
     "shapes": (_BENCH + ["--shapes", "160MiB", "--steps", "5"], {}, ROOT),
     "cnn_onednn": (_CNN_PEAKS, {"TF_ENABLE_ONEDNN_OPTS": "1"}, ROOT / "tests"),
