@@ -210,7 +210,10 @@ def test_whole_models_runs_every_mode_and_a_budget_on_a_cnn():
       rows[line[16:32].strip()] = line[32:].split()
   assert list(rows) == ["original", '"full"', '"activations"',
                         '"larger_than"', "budget 50%"], rows
-  assert float(rows['"full"'][1]) < 0.8, rows  # peak x original
+  # Peak x original: 0.51 with oneDNN's convolution kernels, 0.85 with
+  # Eigen's, whose scratch buffer stays in every step (docs/benchmarks.md,
+  # "CNNs and the convolution kernels").
+  assert float(rows['"full"'][1]) < 0.92, rows
   assert rows['"activations"'][-2:] == ["selects", "nothing"], rows
   budget = " ".join(rows["budget 50%"])
   assert ("refused in" in budget and "lowest bound" in budget or
