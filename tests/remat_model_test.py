@@ -800,8 +800,11 @@ def test_grouping_saves_a_quarter_of_a_cnns_peak_on_either_kernel(mode,
 def test_budget_on_a_cnn_plans_over_the_groups_exactly(tmp_path):
   # Single layers measured one by one saved nothing alone and took minutes on
   # keras.applications CNNs; the planner chooses between mode="full"'s groups.
+  # Batch 64, as cnn_peaks: at 16, with Eigen's kernels, their scratch
+  # buffer is most of the step, and beside another test process every plan
+  # measured at the keep-everything peak (the lowest bound 105% of it).
   model = _conv_chain()
-  x = tf.random.stateless_normal([16, 32, 32, 3], seed=[1, 2])
+  x = tf.random.stateless_normal([64, 32, 32, 3], seed=[1, 2])
   planned = remat_model(model, budget=0.9, sample_input=x, verbose=0)
   (chain,) = [l for l in planned.layers
               if isinstance(l, tfremat.RematSequential)]
