@@ -23,7 +23,10 @@ from conftest import to_numpy, training_step
 
 pytestmark = pytest.mark.slow
 
-# name -> (image size, batch): small sizes these models accept. ResNet50's
+# name -> (image size, batch): small sizes these models accept. At 64x64 and
+# batch 4, EfficientNetB0's step peaked 62-78 MiB from call to call with
+# Eigen's convolution kernels and its grouped step 70-73 MiB; at 96x96 and
+# batch 8, 142 against 95 MiB. ResNet50's
 # weight gradients dominate its step at 64x64 and batch 4, where grouping
 # saved 8% of the peak: less than one step's peak moved in a process that had
 # run the other models first on a loaded machine (+17%, once). At 96x96 and
@@ -32,7 +35,7 @@ MODELS = {
     "ResNet50": (96, 8),
     "MobileNetV2": (64, 4),
     "DenseNet121": (64, 4),
-    "EfficientNetB0": (64, 4),
+    "EfficientNetB0": (96, 8),
     "ConvNeXtTiny": (64, 4),
 }
 
@@ -53,11 +56,9 @@ _XLA_TOO_SLOW = ("DenseNet121", "EfficientNetB0")
 
 
 @pytest.mark.parametrize("name", [
-    # The three largest run with TFREMAT_LONG=1 only (CI's slow stage took
-    # 14 min with ResNet50's 109 s here); MobileNetV2 and EfficientNetB0
-    # keep a CNN with depthwise and one with squeeze-excite blocks in CI.
-    pytest.param(n, marks=pytest.mark.long) if n in (
-        "ConvNeXtTiny", "DenseNet121", "ResNet50") else n
+    # MobileNetV2 (depthwise convolutions) in CI; the others, a minute or
+    # more each on 2 cores, with TFREMAT_LONG=1.
+    n if n == "MobileNetV2" else pytest.param(n, marks=pytest.mark.long)
     for n in sorted(MODELS)])
 def test_full_mode_is_exact_and_peaks_below_the_original(name):
   model, x = _model(name)

@@ -11,6 +11,7 @@ import functools
 import importlib.util
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -48,11 +49,83 @@ for _name in TEST_POLICIES:
 _LONG = pytest.mark.skip(reason="minutes each: run with TFREMAT_LONG=1")
 
 
+# CI's time on 2 cores (.ci/run: main suite within 8 minutes, slow
+# stage within 10): cases run in the slow stage, or only with TFREMAT_LONG=1,
+# where another case of the same test, or another test, checks the same
+# claim in the stage before. Patterns match pytest's node ids.
+_STAGE_OF = {
+    "slow": (
+        # XLA compiles each case for seconds: the main suite compiles the
+        # core parity files' cases and one per test elsewhere.
+        "tests/threads_test.py::*[4-*-xla]",
+        "tests/policies_test.py::*[CPU:0-xla-*]",
+        "tests/remat_scope_test.py::*[CPU:0-xla-*]",
+        # A second case of a claim the main suite checks once.
+        "tests/bench_test.py::test_methods_table_*[eager]",
+        "tests/layers_test.py::test_serving_artifact_*[tf.saved_model.save]",
+        "tests/remat_model_test.py::test_the_result_exports_*[activations]",
+        "tests/remat_model_test.py::test_activations_recomputes_functions_*"
+        "[mish]",
+        "tests/chain_test.py::test_rematerializing_every_layer_peaks_at_most_"
+        "keeping_everything[residual_mlp]",
+        "tests/in_place_test.py::test_budget_in_place_below_every_layer_*",
+        "tests/in_place_test.py::test_nested_sublayers_peak_lower_*",
+        # Subprocesses that start TensorFlow again.
+        "tests/examples_test.py::test_keras_transformer_*",
+        "tests/layers_distribute_test.py::test_multi_worker_*",
+        "tests/measure_test.py::test_peak_bytes_without_the_bfc_allocator_*",
+        "tests/hyperparams_test.py::test_to_text_of_a_script_is_read_back_by_"
+        "another_program",
+        "tests/remat_memory_test.py::test_lingvos_rerun_*",
+        # Plans a chain at three shapes.
+        "tests/budget_step_test.py::test_a_planned_chain_runs_the_plan_for_"
+        "the_shape_it_is_traced_for",
+    ),
+    "long": (
+        "tests/bench_test.py::test_methods_table_*[policy]",
+        "tests/bench_test.py::test_whole_models_*",
+        "tests/bench_test.py::test_sweep_*",
+        "tests/keras_hub_test.py::test_a_backbone_made_in_remat_scope_*",
+        "tests/in_place_test.py::test_keras_hub_causal_lm_keeps_its_class_*",
+        "tests/chain_test.py::test_budgets_hold_when_measured[transformer]",
+        "tests/remat_memory_test.py::*[xla]",
+        "tests/remat_provenance_test.py::*[function]",
+        "tests/remat_model_test.py::test_budget_plans_a_functional_"
+        "transformer_*",
+        "tests/remat_model_test.py::test_budget_plans_blocks_that_read_a_"
+        "padding_mask_exactly[xla]",
+    ),
+}
+# The policies CI runs the parity suite under (.ci/run) keep their XLA cases
+# in the main suite.
+_MAIN_AFTER_ALL = ("*[CPU:0-xla-dots_saveable]",
+                   "*[CPU:0-xla-masks_and_softmax_saveable]",
+                   "tests/remat_scope_test.py::*[CPU:0-xla-full-kwargs0]")
+
+
+def _matches(node_id, pattern):
+  """Whether `node_id` is `pattern`, each `*` in it standing for any text
+  (brackets are literal, as in the ids)."""
+  return re.fullmatch(".*".join(map(re.escape, pattern.split("*"))),
+                      node_id) is not None
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-  """Skips the `long` tests unless TFREMAT_LONG=1. Under
+  """Marks the cases of `_STAGE_OF` (before `-m` selects). Skips the `long`
+  tests unless TFREMAT_LONG=1. Under
   TFREMAT_TEST_POLICY, leaves out the eager cases: policies act in graphs
   only (an eager call recomputes everything), so those cases are the main
   suite's own."""
+  for item in items:
+    if any(_matches(item.nodeid, p) for p in _MAIN_AFTER_ALL):
+      continue
+    for stage in ("long", "slow"):
+      if any(_matches(item.nodeid, p) for p in _STAGE_OF[stage]):
+        item.add_marker(pytest.mark.slow)
+        if stage == "long":
+          item.add_marker(pytest.mark.long)
+        break
   if not os.environ.get("TFREMAT_LONG"):
     for item in items:
       if "long" in item.keywords:

@@ -36,7 +36,10 @@ def _batch(name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [
-    "gpt2", pytest.param("bert", marks=pytest.mark.long),
+    # Gemma's in CI (RMS norms, rotary attention); the others (85-114 s each
+    # here) with TFREMAT_LONG=1: GPT-2 and BERT run every mode below.
+    pytest.param("gpt2", marks=pytest.mark.long),
+    pytest.param("bert", marks=pytest.mark.long),
     pytest.param("llama", marks=pytest.mark.long), "gemma"])
 def test_budget_plans_keras_hub_backbones_exactly_and_within_budget(name):
   keras.utils.set_random_seed(0)
@@ -107,9 +110,10 @@ def test_a_budget_below_each_layer_alone_plans_nested_exactly(name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [
-    # Llama's and Gemma's (61-71 s each here) run with TFREMAT_LONG=1; GPT-2
-    # and BERT keep a causal and a bidirectional backbone in CI.
-    "gpt2", "bert", pytest.param("llama", marks=pytest.mark.long),
+    # GPT-2's in CI; BERT's, Llama's and Gemma's (61-110 s each here) with
+    # TFREMAT_LONG=1 (Gemma's budget is planned in CI, above).
+    "gpt2", pytest.param("bert", marks=pytest.mark.long),
+    pytest.param("llama", marks=pytest.mark.long),
     pytest.param("gemma", marks=pytest.mark.long)])
 def test_every_mode_is_exact_and_peaks_at_most_the_original(name):
   keras.utils.set_random_seed(0)
