@@ -55,11 +55,10 @@ def _model(name):
 _XLA_TOO_SLOW = ("DenseNet121", "EfficientNetB0")
 
 
-@pytest.mark.parametrize("name", [
-    # MobileNetV2 (depthwise convolutions) in CI; the others, a minute or
-    # more each on 2 cores, with TFREMAT_LONG=1.
-    n if n == "MobileNetV2" else pytest.param(n, marks=pytest.mark.long)
-    for n in sorted(MODELS)])
+# A minute or more each on 2 cores: with TFREMAT_LONG=1. CI's slow stage
+# groups a small CNN on both convolution kernels (remat_model_test).
+@pytest.mark.long
+@pytest.mark.parametrize("name", sorted(MODELS))
 def test_full_mode_is_exact_and_peaks_below_the_original(name):
   model, x = _model(name)
   full = tfremat.remat_model(model, "full")

@@ -56,44 +56,85 @@ _LONG = pytest.mark.skip(reason="minutes each: run with TFREMAT_LONG=1")
 _STAGE_OF = {
     "slow": (
         # XLA compiles each case for seconds: the main suite compiles the
-        # core parity files' cases and one per test elsewhere.
-        "tests/threads_test.py::*[4-*-xla]",
+        # core parity files' cases, the policies CI runs under, and one
+        # case elsewhere.
         "tests/policies_test.py::*[CPU:0-xla-*]",
         "tests/remat_scope_test.py::*[CPU:0-xla-*]",
+        "tests/threads_test.py::*[2-nested-xla]",
+        "tests/in_place_test.py::test_nested_sublayers_give_the_plain_*"
+        "[CPU:0-xla]",
+        "tests/chain_test.py::test_nested_segments_match_plain_in_every_mode"
+        "[CPU:0-xla-dots_saveable]",
         # A second case of a claim the main suite checks once.
-        "tests/bench_test.py::test_methods_table_*[eager]",
-        "tests/layers_test.py::test_serving_artifact_*[tf.saved_model.save]",
-        "tests/remat_model_test.py::test_the_result_exports_*[activations]",
+        "tests/remat_model_test.py::test_the_result_exports_*",
         "tests/remat_model_test.py::test_activations_recomputes_functions_*"
         "[mish]",
-        "tests/chain_test.py::test_rematerializing_every_layer_peaks_at_most_"
-        "keeping_everything[residual_mlp]",
-        "tests/in_place_test.py::test_budget_in_place_below_every_layer_*",
-        "tests/in_place_test.py::test_nested_sublayers_peak_lower_*",
+        "tests/remat_model_test.py::test_activations_recomputes_the_"
+        "activation_of_layers_inside_a_block[only_inside]",
+        "tests/remat_model_test.py::test_a_policy_value_groups_a_cnn_as_its_"
+        "name_does[user]",
+        "tests/remat_scope_test.py::test_a_scoped_chain_peaks_below_*",
+        "tests/remat_memory_test.py::test_one_executor_thread_frees_*",
         # Subprocesses that start TensorFlow again.
         "tests/examples_test.py::test_keras_transformer_*",
+        "tests/examples_test.py::test_lingvo_style_transformer_*",
         "tests/layers_distribute_test.py::test_multi_worker_*",
         "tests/measure_test.py::test_peak_bytes_without_the_bfc_allocator_*",
-        "tests/hyperparams_test.py::test_to_text_of_a_script_is_read_back_by_"
-        "another_program",
+        "tests/measure_test.py::test_importing_tfremat_turns_on_the_bfc_*",
+        "tests/hyperparams_test.py::test_to_text_of_a_script_is_read_back_*",
         "tests/remat_memory_test.py::test_lingvos_rerun_*",
-        # Plans a chain at three shapes.
+        # Planning (tens of seconds each): the main suite keeps one test per
+        # entry point's planned step; these plan a second time.
         "tests/budget_step_test.py::test_a_planned_chain_runs_the_plan_for_"
         "the_shape_it_is_traced_for",
+        "tests/budget_step_test.py::test_largest_batch_counts_the_optimizer_*",
+        "tests/budget_step_test.py::test_a_byte_budget_counts_what_training_*",
+        "tests/budget_step_test.py::test_a_compiled_model_is_planned_on_its_"
+        "own_train_on_batch",
+        "tests/in_place_test.py::test_budget_in_place_rematerializes_the_"
+        "fewest_that_fit",
+        "tests/largest_batch_test.py::test_the_batch_found_fits_on_a_step_*",
+        "tests/remat_model_test.py::test_budget_plans_without_keras_warnings",
     ),
+    # The slow stage keeps one test per claim: a small CNN's grouping on
+    # both convolution kernels (remat_model_test), every mode on a KerasHub
+    # backbone (keras_hub_test), nested planning (chain_test), 100 later
+    # steps of one chain's plan (alone and beside a busy process) and of a
+    # fit step's plan (budget_later_test).
     "long": (
+        "tests/bench_test.py::test_methods_table_*[eager]",
         "tests/bench_test.py::test_methods_table_*[policy]",
         "tests/bench_test.py::test_whole_models_*",
         "tests/bench_test.py::test_sweep_*",
-        "tests/keras_hub_test.py::test_a_backbone_made_in_remat_scope_*",
+        "tests/builder_test.py::test_sqrt_segments_save_memory_*",
+        "tests/chain_test.py::test_budgets_hold_when_measured*",
+        "tests/chain_test.py::test_rematerializing_every_layer_peaks_at_most_"
+        "keeping_everything[residual_mlp]",
+        "tests/chain_test.py::test_the_planner_takes_policies_by_value_*",
+        "tests/chain_test.py::test_a_budget_at_115_percent_of_the_lowest_*",
+        "tests/in_place_test.py::test_budget_in_place_below_every_layer_*",
+        "tests/in_place_test.py::test_nested_sublayers_peak_lower_*",
+        "tests/in_place_test.py::test_budget_in_place_nests_the_layers_*",
         "tests/in_place_test.py::test_keras_hub_causal_lm_keeps_its_class_*",
-        "tests/chain_test.py::test_budgets_hold_when_measured[transformer]",
-        "tests/remat_memory_test.py::*[xla]",
-        "tests/remat_provenance_test.py::*[function]",
+        "tests/in_place_test.py::test_keras_hub_causal_lm_nested_peaks_*",
+        "tests/keras_hub_test.py::test_a_backbone_made_in_remat_scope_*",
+        "tests/keras_hub_test.py::test_budget_plans_keras_hub_backbones_*",
+        "tests/layers_test.py::test_serving_artifact_*[tf.saved_model.save]",
+        "tests/remat_memory_test.py::test_every_block_rematerialized_peaks_*",
         "tests/remat_model_test.py::test_budget_plans_a_functional_"
         "transformer_*",
         "tests/remat_model_test.py::test_budget_plans_blocks_that_read_a_"
         "padding_mask_exactly[xla]",
+        "tests/remat_model_test.py::test_budget_on_a_cnn_plans_over_the_*",
+        "tests/remat_model_test.py::test_grouping_saves_a_quarter_of_a_cnns_"
+        "peak_on_either_kernel[larger_than-*]",
+        "tests/remat_provenance_test.py::*[function]",
+        "tests/threads_test.py::*[4-*-xla]",
+        "tests/budget_later_test.py::*[twelve-0.3]",
+        "tests/budget_later_test.py::*[residual_mlp-0.7]",
+        "tests/budget_later_test.py::test_a_keras_hub_backbone_budget_*",
+        "tests/budget_later_test.py::test_a_remat_model_budget_holds_*",
+        "tests/budget_later_test.py::test_a_budget_planned_with_one_executor_*",
     ),
 }
 # The policies CI runs the parity suite under (.ci/run) keep their XLA cases
