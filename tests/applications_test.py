@@ -26,11 +26,10 @@ pytestmark = pytest.mark.slow
 # name -> (image size, batch): small sizes these models accept. At 64x64 and
 # batch 4, EfficientNetB0's step peaked 62-78 MiB from call to call with
 # Eigen's convolution kernels and its grouped step 70-73 MiB; at 96x96 and
-# batch 8, 142 against 95 MiB. ResNet50's
-# weight gradients dominate its step at 64x64 and batch 4, where grouping
-# saved 8% of the peak: less than one step's peak moved in a process that had
-# run the other models first on a loaded machine (+17%, once). At 96x96 and
-# batch 8 it saves about 30%.
+# batch 8, 142 against 95 MiB. ResNet50's weight gradients dominate its
+# step at 64x64 and batch 4, where grouping saved 8% of the peak: less than
+# one step's peak moved in a process that had run the other models first on
+# a loaded machine (+17%, once). At 96x96 and batch 8 it saves about 30%.
 MODELS = {
     "ResNet50": (96, 8),
     "MobileNetV2": (64, 4),

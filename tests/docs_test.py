@@ -3,10 +3,10 @@
 Each runs in fresh globals, in an empty directory of its own, as a reader
 would paste it: a snippet that relies on a name it never defines fails
 here. The snippets of a page run one after another in one Python, a few at
-a time (importing TensorFlow for each took a fifth of the main suite's time
-on 2 cores), with Keras's global state cleared between them. A snippet followed by a
-```text block must print that text; `...` in it stands for any text (a
-measured size, a time).
+a time (importing TensorFlow for each took a fifth of the main suite's
+time on 2 cores), with Keras's global state cleared between them. A
+snippet followed by a ```text block must print that text; `...` in it
+stands for any text (a measured size, a time).
 """
 
 import importlib.util

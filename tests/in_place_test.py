@@ -326,9 +326,10 @@ def _assert_continues_the_prompt(lm):
   assert len(generated) > len("the quick"), generated
 
 
-# Slow on 2 cores, and needs keras-hub (pip install ".[hub]"): CI installs
-# it and runs this in its second stage.
+# Minutes on 2 cores, and needs keras-hub (pip install ".[hub]"): with
+# TFREMAT_LONG=1.
 @pytest.mark.slow
+@pytest.mark.long
 def test_keras_hub_causal_lm_keeps_its_class_trains_and_generates(tmp_path):
   keras_hub = pytest.importorskip("keras_hub")
   example = load_example("keras_hub_lm")
@@ -347,8 +348,9 @@ def test_keras_hub_causal_lm_keeps_its_class_trains_and_generates(tmp_path):
   assert type(again) is keras_hub.models.GPT2CausalLM
 
 
-# Slow on 2 cores, and needs keras-hub: CI runs it in its second stage.
+# Minutes on 2 cores, and needs keras-hub: with TFREMAT_LONG=1.
 @pytest.mark.slow
+@pytest.mark.long
 def test_keras_hub_causal_lm_nested_peaks_lower_and_still_generates():
   keras_hub = pytest.importorskip("keras_hub")
   example = load_example("keras_hub_lm")
@@ -367,7 +369,7 @@ def test_keras_hub_causal_lm_nested_peaks_lower_and_still_generates():
   _assert_continues_the_prompt(lm)
 
 
-# Slow on 2 cores, and needs keras-hub: CI runs it in its second stage.
+# Minutes on 2 cores, and needs keras-hub: with TFREMAT_LONG=1.
 @pytest.mark.slow
 @pytest.mark.long
 def test_keras_hub_causal_lm_under_a_budget_stays_a_task():

@@ -15,7 +15,7 @@ rematerialization: outputs and gradients, against one scale for all tensors
 Nested inner tapes once freed a gradient tape that was still in use and
 crashed the process later: those cases run in a subprocess per mode, so a
 crash fails one test, not the suite. Traced, they take minutes, so they run
-in CI's second stage (`pytest -m slow`); eager ones run in the main suite.
+with TFREMAT_LONG=1 (`pytest -m slow`); eager ones run in the main suite.
 """
 
 import contextlib
