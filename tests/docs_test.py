@@ -46,10 +46,10 @@ _PLANS = re.compile(r"budget=|_for_budget\(|largest_batch\(")
 
 
 def _snippet_runs():
-  runs = []
+  runs, snippets = [], _snippets()
   for page in PAGES:
     for plans in (False, True):
-      mine = [s for s in _snippets() if s.id.startswith(f"{page.name}-") and
+      mine = [s for s in snippets if s.id.startswith(f"{page.name}-") and
               bool(_PLANS.search(s.values[0])) == plans]
       for start in range(0, len(mine), _PER_RUN):
         part = mine[start:start + _PER_RUN]
