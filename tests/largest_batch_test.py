@@ -45,19 +45,23 @@ class _Lines:
   in the batch and takes a given time, with nothing held besides it: keeping
   everything ("none"), every layer rematerialized ("full": 5.25 per example,
   so 190 fits 1000 bytes and 192 does not; 1 s a step) and the planner's
-  lowest plan ("lowest"), each (bound per batch, seconds)."""
+  lowest plan ("lowest") and a plan with nested layers ("nested"), each
+  (bound per batch, seconds)."""
 
   step = "stand-in"
 
   def __init__(self, lowest, none=(lambda b: 20 * b, 0.5),
-               full=(lambda b: 5.25 * b, 1.0)):
-    self.lines = {"none": none, "full": full, "lowest": lowest}
+               full=(lambda b: 5.25 * b, 1.0), nested=None):
+    self.lines = {"none": none, "full": full, "lowest": lowest,
+                  "nested": nested}
 
   @staticmethod
   def way(candidate):
     segments = candidate.segments
     if not any(s.remat for s in segments):
       return "none"
+    if any(s.nested for s in segments):
+      return "nested"
     return "full" if all(s.stop - s.start == 1 for s in segments) else (
         "lowest")
 
@@ -87,13 +91,14 @@ _COSTS = tuple(tfremat.planner.LayerCost(
                                                  ("c", 1, 1, 500)))
 
 
-def _found(lowest, memory=1000, **lines):
+def _found(lowest, memory=1000, costs=_COSTS, nestable=(False,) * 3,
+           **lines):
   """largest_batch's search at `memory` bytes, in multiples of 2, from a
   batch of 8, on three stand-in layers with the ways of `_Lines`."""
-  units = tuple(keras.layers.Identity() for _ in _COSTS)
+  units = tuple(keras.layers.Identity() for _ in costs)
   ways = largest_batch_lib.Ways(
-      units, budget_lib.Chain(units), _Lines(lowest, **lines), costs=_COSTS,
-      nestable=(False,) * len(units))
+      units, budget_lib.Chain(units), _Lines(lowest, **lines), costs=costs,
+      nestable=nestable)
   finder = largest_batch_lib.BatchSearch(
       ways, Batch(tf.zeros([8, 1])), memory,
       tfremat.planner.DEFAULT_SETTINGS, verbose=0)
@@ -130,6 +135,25 @@ def test_a_way_no_better_is_probed_once_above_the_batch_and_not_checked():
   assert (found.batch, found.method) == (190, "full")
   lowest = [(t.batch, t.fits) for t in found.trials if t.way == "lowest"]
   assert lowest == [(192, False)], _trials(found)
+
+
+# Three like layers, each with layers of its own: the lowest plan is every
+# layer rematerialized alone, and nesting them is what can fit more.
+_LIKE = tuple(tfremat.planner.LayerCost(
+    name, forward_seconds=1.0, backward_seconds=2.0, input_bytes=10,
+    output_bytes=10, saved_bytes=100, forward_transient_bytes=0,
+    backward_transient_bytes=0, weight_grad_bytes=0) for name in "abc")
+
+
+def test_a_nested_way_is_measured_since_the_cost_model_cannot_see_it():
+  # The cost model counts a nested layer as not nested, so its prediction
+  # alone never puts the nested way above every layer alone; measured at
+  # the sample's batch, it does (3 per example: 332 fits 1000 bytes).
+  found = _found(None, costs=_LIKE, nestable=(True,) * 3,
+                 nested=(lambda b: 3 * b, 1.5))
+  assert (found.batch, found.method) == (332, "planner"), _trials(found)
+  assert found.model.plan.segments[0].nested, found.model.plan
+  assert [t.way for t in found.trials if t.batch == 8] == ["full", "nested"]
 
 
 def test_keeping_everything_is_timed_where_it_fits_the_batch_too():

@@ -4,10 +4,12 @@ train at it: `tfremat.largest_batch`.
 The memory counts everything training holds: the weights, the optimizer's
 state (for a compiled model given targets), the batch, and the training
 step's own tensors, as `torch.cuda.max_memory_allocated` counts them. Every
-layer rematerialized is measured at the sample's batch; the cost model,
-scaled by that measurement, predicts the largest batch each way fits
-(every layer rematerialized, the planner's lowest plan, that plan nested,
-keeping everything). Every layer rematerialized is searched from its
+layer rematerialized, and the plan with nested layers, are measured at the
+sample's batch; the cost model, scaled by those measurements, predicts the
+largest batch each way fits (every layer rematerialized, the planner's
+lowest plan, that plan nested, keeping everything). The cost model counts
+a nested layer as not nested, so the nested way is scaled by its own
+measurement. Every layer rematerialized is searched from its
 prediction, each probe where the line through the two nearest the memory
 meets it; each other way predicted to fit clearly more is searched from one
 multiple above the best so far. At the largest batch found, the ways that
@@ -125,7 +127,10 @@ class LargestBatch:
              if self.examples_per_second else "")
     how = {"none": "no rematerialization", "full": "every layer "
            "rematerialized", "planner": "the planner's lowest plan"}
-    return (f"batch {self.batch}, {how[self.method]}: held "
+    plan = getattr(self.model, "plan", None)
+    nested = (", nested" if self.method == "planner" and plan is not None
+              and any(s.nested for s in plan.segments) else "")
+    return (f"batch {self.batch}, {how[self.method]}{nested}: held "
             f"{mib(self.held.total_bytes)} + the step's bound "
             f"{mib(self.measured.bound_bytes)} within "
             f"{mib(self.memory_bytes)} ({self.step} step){speed} "
@@ -162,13 +167,15 @@ def largest_batch(model, memory, sample_input, *, sample_target=None,
   chain), the plan the planner predicts to peak lowest on the layers'
   costs measured at the sample's batch, that plan nested where the layers
   have layers of their own (`tfremat.planner`), and keeping everything.
-  Every layer rematerialized is measured at the sample's batch; the cost
-  model, scaled by that measurement, predicts the largest batch each way
-  fits. Every layer rematerialized is searched from its prediction, each
-  probe where the line through the two probes nearest the memory meets it,
-  to the largest multiple of `multiple` it fits; each other way predicted
-  to fit `settings.near_batch` more is probed one multiple above the best
-  so far and searched further only if it fits there. At the largest batch
+  Every layer rematerialized, and the plan with nested layers, are
+  measured at the sample's batch; the cost model, scaled by those
+  measurements (its own for the nested plan, which the cost model counts
+  as not nested), predicts the largest batch each way fits. Every layer
+  rematerialized is searched from its prediction, each probe where the
+  line through the two probes nearest the memory meets it, to the largest
+  multiple of `multiple` it fits; each other way predicted to fit
+  `settings.near_batch` more is probed one multiple above the best so far
+  and searched further only if it fits there. At the largest batch
   of all, the ways that fit there (and keeping everything, where predicted
   to come within `near_batch` of it) are timed, and checked fastest first:
   the first that fits is returned (where none fits, the same at a batch a
@@ -330,7 +337,13 @@ class BatchSearch:
     full = list(self.candidates["full"].segments)
     scale = self.bound_at("full", first).bound_bytes / max(
         1, predict(costs, full)[0])
-    reach = {w: self.predicted(w, costs, first, scale)
+    # The cost model counts a nested layer as not nested: a way with nested
+    # layers is measured at the sample's batch too, and scaled by its own.
+    scales = {w: (self.bound_at(w, first).bound_bytes / max(
+        1, predict(costs, list(c.segments))[0])
+                  if any(s.nested for s in c.segments) else scale)
+              for w, c in self.candidates.items()}
+    reach = {w: self.predicted(w, costs, first, scales[w])
              for w in self.candidates}
     others = [w for w in self.candidates if w not in ("none", "full")]
     top = max(reach[w] for w in others + ["full"])
