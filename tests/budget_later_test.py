@@ -27,6 +27,7 @@ import tensorflow as tf
 import tfremat
 from tfremat import chain
 from tfremat import models
+from tfremat._src.planning.runner import Batch
 from conftest import functional_mlp, sample_chain
 
 # In a new Python: the saved model and batch loaded, what training holds
@@ -291,3 +292,42 @@ def test_a_fit_step_budget_holds_and_is_used(name, fraction, tmp_path):
   faster_over = any(t.stage == "faster" and not t.fits
                     for t in plan.search.trials)
   assert used >= 0.8 or faster_over, (used, str(plan.search))
+
+
+@_LONG
+@pytest.mark.slow
+# Passed once and failed twice in three runs here (2026-12-02): the nested
+# plan's step peaked 224.8 MiB on most calls at batch 124 and up to 255.8
+# MiB (one to four more [124, 128, 128] activations) on about a fifth of
+# them, in the planning process as in a new one; the 10 calls checked all
+# peaked 224.8, so the bound (236.1) missed those. Every block
+# rematerialized, not nested, peaked steadily (220.2-224.8 MiB over 40
+# calls at batch 74).
+@pytest.mark.xfail(reason="a nested plan's peak on GPT2Backbone moves "
+                   "above its 10 checked calls on some later steps",
+                   strict=False)
+def test_largest_batchs_model_holds_on_100_later_steps_and_uses_the_memory(
+    tmp_path):
+  # What largest_batch returns for a compiled KerasHub backbone (its nested
+  # plan: the cost model cannot see nesting, so the call measures it), at
+  # the batch it found, in a new process: what training holds plus each of
+  # 100 train_on_batch steps' peaks within the memory, and using at least
+  # 80% of it.
+  pytest.importorskip("keras_hub")
+  keras.utils.set_random_seed(0)
+  model = models.hub_backbone("GPT2Backbone")
+  model.compile(optimizer="adam", loss="mean_squared_error")
+  x = models.hub_batch("GPT2Backbone")
+  y = tf.zeros([8, 128, models.HUB_SIZES["hidden_dim"]])
+  found = tfremat.largest_batch(model, "256MiB", x, sample_target=y,
+                                multiple=2, verbose=0)
+  assert found.method == "planner", str(found)
+  plan = next(l for l in found.model._flatten_layers()  # pylint: disable=protected-access
+              if isinstance(l, tfremat.RematSequential)).plan
+  assert any(s.nested for s in plan.segments), str(plan)
+  batch = Batch(x, y).resized(found.batch)
+  later = _assert_later_steps_within_budget(
+      found.memory_bytes, str(found), tmp_path,
+      _save(found.model, batch.x, tmp_path, batch.y))
+  used = (later["held"] + max(later["peaks"])) / found.memory_bytes
+  assert used >= 0.8, (used, str(found))
