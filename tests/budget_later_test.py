@@ -113,6 +113,12 @@ def _assert_later_steps_within_budget(budget_bytes, plan_text, tmp_path,
   return later
 
 
+def _plan_of(model):
+  """The plan of the planned chain inside `model`."""
+  return next(l for l in model.layers
+              if isinstance(l, tfremat.RematSequential)).plan
+
+
 _LONG = pytest.mark.long
 
 # (name, fraction) -> (plan, the later script's arguments): each plan is made
@@ -219,8 +225,7 @@ def test_a_remat_model_budget_holds_on_100_later_steps(budget, tmp_path):
     budget = held + int(np.prod(x.shape)) * 4 + int(0.6 * keep)
   planned = tfremat.remat_model(model, budget=budget, sample_input=x,
                                 verbose=0)
-  plan = next(l for l in planned.layers
-              if isinstance(l, tfremat.RematSequential)).plan
+  plan = _plan_of(planned)
   _assert_later_steps_within_budget(plan.budget_bytes, str(plan), tmp_path,
                                     _save(planned, x, tmp_path))
 
@@ -235,8 +240,7 @@ def test_a_keras_hub_backbone_budget_holds_on_100_later_steps(tmp_path):
   batch = models.hub_batch("GPT2Backbone")
   planned = tfremat.remat_model(model, budget=0.5, sample_input=batch,
                                 verbose=0)
-  plan = next(l for l in planned.layers
-              if isinstance(l, tfremat.RematSequential)).plan
+  plan = _plan_of(planned)
   _assert_later_steps_within_budget(plan.budget_bytes, str(plan), tmp_path,
                                     _save(planned, batch, tmp_path))
 
@@ -283,8 +287,7 @@ def test_a_fit_step_budget_holds_and_is_used(name, fraction, tmp_path):
   model, x, y = _issue_mlp() if name == "mlp" else _issue_lm()
   planned = tfremat.remat_model(model, budget=fraction, sample_input=x,
                                 sample_target=y, verbose=0)
-  plan = next(l for l in planned.layers
-              if isinstance(l, tfremat.RematSequential)).plan
+  plan = _plan_of(planned)
   assert plan.step == "train_on_batch", str(plan)
   later = _assert_later_steps_within_budget(
       plan.budget_bytes, str(plan), tmp_path, _save(planned, x, tmp_path, y))
@@ -323,8 +326,7 @@ def test_largest_batchs_model_holds_on_100_later_steps_and_uses_the_memory(
   found = tfremat.largest_batch(model, "256MiB", x, sample_target=y,
                                 multiple=2, verbose=0)
   assert found.method == "planner", str(found)
-  plan = next(l for l in found.model._flatten_layers()  # pylint: disable=protected-access
-              if isinstance(l, tfremat.RematSequential)).plan
+  plan = _plan_of(found.model)
   assert any(s.nested for s in plan.segments), str(plan)
   batch = Batch(x, y).resized(found.batch)
   later = _assert_later_steps_within_budget(

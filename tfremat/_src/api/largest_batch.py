@@ -334,13 +334,17 @@ class BatchSearch:
     first = self.sample.size
     costs = self._add_ways(policies)
     self.note(f"the layers' costs measured at batch {first}")
-    full = list(self.candidates["full"].segments)
-    scale = self.bound_at("full", first).bound_bytes / max(
-        1, predict(costs, full)[0])
-    # The cost model counts a nested layer as not nested: a way with nested
-    # layers is measured at the sample's batch too, and scaled by its own.
-    scales = {w: (self.bound_at(w, first).bound_bytes / max(
-        1, predict(costs, list(c.segments))[0])
+
+    def measured_over_predicted(way):
+      segments = list(self.candidates[way].segments)
+      return self.bound_at(way, first).bound_bytes / max(
+          1, predict(costs, segments)[0])
+
+    # Every layer rematerialized scales every way's prediction, but the cost
+    # model counts a nested layer as not nested: a way with nested layers is
+    # measured at the sample's batch too, and scaled by its own.
+    scale = measured_over_predicted("full")
+    scales = {w: (measured_over_predicted(w)
                   if any(s.nested for s in c.segments) else scale)
               for w, c in self.candidates.items()}
     reach = {w: self.predicted(w, costs, first, scales[w])
