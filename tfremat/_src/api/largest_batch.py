@@ -334,18 +334,14 @@ class BatchSearch:
     first = self.sample.size
     costs = self._add_ways(policies)
     self.note(f"the layers' costs measured at batch {first}")
-
-    def measured_over_predicted(way):
+    # Every layer alone scales each way's prediction; the cost model counts a
+    # nested layer as not nested, so a nested way is scaled by its own.
+    def scale_of(way):
       segments = list(self.candidates[way].segments)
       return self.bound_at(way, first).bound_bytes / max(
           1, predict(costs, segments)[0])
-
-    # Every layer rematerialized scales every way's prediction, but the cost
-    # model counts a nested layer as not nested: a way with nested layers is
-    # measured at the sample's batch too, and scaled by its own.
-    scale = measured_over_predicted("full")
-    scales = {w: (measured_over_predicted(w)
-                  if any(s.nested for s in c.segments) else scale)
+    scale = scale_of("full")
+    scales = {w: scale_of(w) if any(s.nested for s in c.segments) else scale
               for w, c in self.candidates.items()}
     reach = {w: self.predicted(w, costs, first, scales[w])
              for w in self.candidates}
