@@ -299,17 +299,10 @@ def test_a_fit_step_budget_holds_and_is_used(name, fraction, tmp_path):
 
 @_LONG
 @pytest.mark.slow
-# Passed once and failed twice in three runs here (2026-12-02): the nested
-# plan's step peaked 224.8 MiB on most calls at batch 124 and up to 255.8
-# MiB (one to four more [124, 128, 128] activations) on about a fifth of
-# them, in the planning process as in a new one; the 10 calls checked all
-# peaked 224.8, so the bound (236.1) missed those. Every block
-# rematerialized, not nested, peaked steadily (220.2-224.8 MiB over 40
-# calls at batch 74); the nested plan run ordered peaked 255.8 on each of
-# 40 calls.
-@pytest.mark.xfail(reason="a nested plan's peak on GPT2Backbone moves "
-                   "above its 10 checked calls on some later steps",
-                   strict=False)
+# A nested plan runs ordered (Settings.try_ordered): unordered, it peaked
+# 224.8 MiB on most calls at batch 124 and up to 255.8 MiB on about a fifth
+# of them, past all of its 10 checked calls, where ordered it peaked 255.8
+# on each of 40 calls.
 def test_largest_batchs_model_holds_on_100_later_steps_and_uses_the_memory(
     tmp_path):
   # What largest_batch returns for a compiled KerasHub backbone (its nested

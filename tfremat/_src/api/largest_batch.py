@@ -7,11 +7,11 @@ step's own tensors, as `torch.cuda.max_memory_allocated` counts them. Every
 layer rematerialized, and the plan with nested layers, are measured at the
 sample's batch; the cost model, scaled by those measurements, predicts the
 largest batch each way fits (every layer rematerialized, the planner's
-lowest plan, that plan nested, keeping everything). The cost model counts
-a nested layer as not nested, so the nested way is scaled by its own
-measurement. Every layer rematerialized is searched from its
-prediction, each probe where the line through the two nearest the memory
-meets it; each other way predicted to fit clearly more is searched from one
+lowest plan, that plan nested and run in one op order, keeping
+everything). The cost model counts a nested layer as not nested, so the
+nested way is scaled by its own measurement. Every layer rematerialized is
+searched from its prediction, each probe where the line through the two
+nearest the memory meets it; each other way predicted to fit clearly more is searched from one
 multiple above the best so far. At the largest batch found, the ways that
 fit there (and keeping everything, where predicted to) are timed and
 checked fastest first by the one rule of a planned budget
@@ -166,7 +166,9 @@ def largest_batch(model, memory, sample_input, *, sample_target=None,
   chain, as `remat_model(model, "full")` groups them, or every block of a
   chain), the plan the planner predicts to peak lowest on the layers'
   costs measured at the sample's batch, that plan nested where the layers
-  have layers of their own (`tfremat.planner`), and keeping everything.
+  have layers of their own, run in one op order (`settings.try_ordered`:
+  unordered, a nested plan's peak moved on later calls past every call
+  checked), and keeping everything.
   Every layer rematerialized, and the plan with nested layers, are
   measured at the sample's batch; the cost model, scaled by those
   measurements (its own for the nested plan, which the cost model counts
@@ -227,8 +229,7 @@ def largest_batch(model, memory, sample_input, *, sample_target=None,
   if multiple is not None and (isinstance(multiple, bool) or
                                not isinstance(multiple, int) or multiple < 1):
     raise errors.InvalidArgumentError(
-        f"largest_batch: multiple is a positive int or None; got "
-        f"{multiple!r}.")
+        f"largest_batch: multiple is a positive int or None; got {multiple!r}.")
   policies = budget_lib.planned_policies(policies)
   ways = ways_of(model, sample_target)
   finder = BatchSearch(ways, budget_lib.sample_batch(sample_input,
@@ -395,10 +396,11 @@ class BatchSearch:
     nested = cost_model.nested_segments(lowest, nestable)
     for name, segments in (("lowest", lowest), ("nested", nested)):
       if not segments or segments == alone or any(
-          search.Candidate(segments) == c for c in self.candidates.values()):
+          c.segments == tuple(segments) for c in self.candidates.values()):
         continue
-      self.candidates[name] = search.Candidate(segments)
-      self.plans[name] = Plan(costs, segments)
+      ordered = name == "nested" and self.settings.try_ordered
+      self.candidates[name] = search.Candidate(segments, ordered)
+      self.plans[name] = Plan(costs, segments, ordered=ordered)
     return costs
 
   def predicted(self, way, costs, first, scale):
@@ -455,8 +457,7 @@ class BatchSearch:
                for t in self.trials) and not self.over_at_or_below(way, batch)
 
   def over_at_or_below(self, way, batch):
-    """Whether `way` was measured over the memory at `batch` or below it
-    (and so does not fit `batch`)."""
+    """Whether `way` was measured over the memory at or below `batch`."""
     return any(t.way == way and t.batch <= batch and not t.fits
                for t in self.trials)
 
@@ -510,9 +511,7 @@ class BatchSearch:
     return {w: batch / t for w, t in zip(running, times)}
 
   def _method(self, way):
-    if way is None:
-      return None
-    return "planner" if way in self.plans else way
+    return "planner" if way in self.plans else way  # None: nothing fits.
 
   def _result(self, way, batch, measured, costs):
     """The model to train; a planner's plan is kept on its chain, with its
@@ -523,7 +522,8 @@ class BatchSearch:
       return self.ways.result(self.candidates[way])
     plan = Plan([c.scaled(batch / self.sample.size) for c in costs],
                 self.plans[way].segments, self.memory_bytes,
-                Budget(num_bytes=self.memory_bytes), measured=measured,
+                Budget(num_bytes=self.memory_bytes),
+                ordered=self.plans[way].ordered, measured=measured,
                 held=self.held_at(batch), step=self.ways.runner.step)
     return self.ways.result(plan)
 

@@ -54,8 +54,9 @@ def next_plan(costs, trials, step_bytes, settings,
      of the room, the next plan the model predicts faster than it, while
      those fit and stay below.
   4. "lowest": if none fits, the plan the model predicts to peak lowest,
-     then that plan nested (`Segment.nested`, where `nestable` says a layer
-     has layers of its own), each unordered, then (`try_ordered`) ordered.
+     unordered, then (`try_ordered`) ordered; then that plan nested
+     (`Segment.nested`, where `nestable` says a layer has layers of its
+     own), ordered where `try_ordered`.
   """
   n = len(costs)
   if not trials:
@@ -163,15 +164,15 @@ def _lowest(costs, trials, settings, nestable, measured):
   each was measured."""
   lowest = lowest_plan(costs).segments
   nested = cost_model.nested_segments(list(lowest), nestable)
-  for segments, what in ((lowest, "the lowest plan predicted"),
-                         (nested, "the lowest plan predicted, nested")):
-    for ordered in (False, True)[:1 + settings.try_ordered]:
-      if not segments:
-        continue
-      candidate = Candidate(segments, ordered)
-      if candidate not in measured:
-        return (candidate, "lowest",
-                what + (", ordered" if ordered else ""))
+  orders = (False, True)[:1 + settings.try_ordered]
+  # A nested plan only ordered (where ordering is tried): unordered, its
+  # peak moved on later steps past every call checked (budget_later_test).
+  tries = [(lowest, o, "the lowest plan predicted") for o in orders]
+  tries.append((nested, orders[-1], "the lowest plan predicted, nested"))
+  for segments, ordered, what in tries:
+    if segments and Candidate(segments, ordered) not in measured:
+      return (Candidate(segments, ordered), "lowest",
+              what + (", ordered" if ordered else ""))
   return None
 
 

@@ -85,9 +85,10 @@ class Settings:
     waiting_fraction: what a layer's recompute costs beyond its forward time
       when later layers of its segment rerun before its backward pass, as a
       fraction of that forward time (`LayerCost.waiting_recompute_seconds`).
-    try_ordered: before a budget is refused, the lowest plan (and that plan
-      nested) are measured with the chain's ops run in one order too, which
-      peaks lower on some chains and costs step time.
+    try_ordered: before a budget is refused, the lowest plan is measured
+      with the chain's ops run in one order too, which peaks lower on some
+      chains and costs step time, and that plan nested is measured (and
+      `largest_batch`'s nested way run) only so ordered.
     batch_probes: `largest_batch` probes at most this many batches per way
       of training after the first it predicts.
     near_batch: `largest_batch` times every way whose largest batch came
