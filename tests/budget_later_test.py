@@ -320,7 +320,8 @@ def test_largest_batchs_model_holds_on_100_later_steps_and_uses_the_memory(
                                 multiple=2, verbose=0)
   assert found.method == "planner", str(found)
   plan = _plan_of(found.model)
-  assert any(s.nested for s in plan.segments), str(plan)
+  assert any(s.nested for s in plan.segments) and plan.ordered, str(plan)
+  assert "lowest plan, nested:" in str(found), str(found)  # A whole model's.
   batch = Batch(x, y).resized(found.batch)
   later = _assert_later_steps_within_budget(
       found.memory_bytes, str(found), tmp_path,

@@ -156,6 +156,7 @@ def test_a_nested_way_is_measured_since_the_cost_model_cannot_see_it():
   # Run in one op order, as measured: unordered, a nested plan's peak moved
   # past its checked calls on later steps (budget_later_test).
   assert found.model.plan.ordered and found.model.ordered, found.model.plan
+  assert "the planner's lowest plan, nested:" in str(found), str(found)
   assert [t.way for t in found.trials if t.batch == 8] == ["full", "nested"]
 
 

@@ -127,9 +127,8 @@ class LargestBatch:
              if self.examples_per_second else "")
     how = {"none": "no rematerialization", "full": "every layer "
            "rematerialized", "planner": "the planner's lowest plan"}
-    plan = getattr(self.model, "plan", None)
-    nested = (", nested" if self.method == "planner" and plan is not None
-              and any(s.nested for s in plan.segments) else "")
+    # The way found is the one checked last, a chain's or a whole model's.
+    nested = ", nested" if self.trials[-1].way == "nested" else ""
     return (f"batch {self.batch}, {how[self.method]}{nested}: held "
             f"{mib(self.held.total_bytes)} + the step's bound "
             f"{mib(self.measured.bound_bytes)} within "
