@@ -51,9 +51,11 @@ class _Lines:
   step = "stand-in"
 
   def __init__(self, lowest, none=(lambda b: 20 * b, 0.5),
-               full=(lambda b: 5.25 * b, 1.0), nested=None):
+               full=(lambda b: 5.25 * b, 1.0), nested=None, later=None):
     self.lines = {"none": none, "full": full, "lowest": lowest,
                   "nested": nested}
+    self.later = later or {}  # way -> line of its calls after the first 3.
+    self.calls = {}
 
   @staticmethod
   def way(candidate):
@@ -71,7 +73,11 @@ class _Lines:
 
   def peaks(self, candidate, batch, calls):
     # Peaks whose bound (peak plus the 5% reserve) is on the way's line.
-    line, _ = self.lines[self.way(candidate)]
+    way = self.way(candidate)
+    done = self.calls.get((way, batch.size), 0)
+    self.calls[way, batch.size] = done + calls
+    line = self.later[way] if done and way in self.later else (
+        self.lines[way][0])
     return [int(line(batch.size) / 1.05)] * calls
 
   def seconds(self, candidates, batch, rounds):
@@ -158,6 +164,17 @@ def test_a_nested_way_is_measured_since_the_cost_model_cannot_see_it():
   assert found.model.plan.ordered and found.model.ordered, found.model.plan
   assert "the planner's lowest plan, nested:" in str(found), str(found)
   assert [t.way for t in found.trials if t.batch == 8] == ["full", "nested"]
+
+
+def test_below_a_batch_whose_check_failed_every_way_that_fits_is_timed():
+  # The nested way fits 332 on its first calls but its later calls peak
+  # higher (5.2 per example): its check there fails, and at the batch aimed
+  # at below, 190, every layer rematerialized (which fit 190, and runs
+  # faster) is timed and checked too.
+  found = _found(None, costs=_LIKE, nestable=(True,) * 3,
+                 nested=(lambda b: 3 * b, 1.5),
+                 later={"nested": lambda b: 5.2 * b})
+  assert (found.batch, found.method) == (190, "full"), _trials(found)
 
 
 def test_keeping_everything_is_timed_where_it_fits_the_batch_too():

@@ -3,19 +3,17 @@ train at it: `tfremat.largest_batch`.
 
 The memory counts everything training holds: the weights, the optimizer's
 state (for a compiled model given targets), the batch, and the training
-step's own tensors, as `torch.cuda.max_memory_allocated` counts them. Every
-layer rematerialized, and the plan with nested layers, are measured at the
-sample's batch; the cost model, scaled by those measurements, predicts the
-largest batch each way fits (every layer rematerialized, the planner's
-lowest plan, that plan nested and run in one op order, keeping
-everything). The cost model counts a nested layer as not nested, so the
-nested way is scaled by its own measurement. Every layer rematerialized is
+step's own tensors, as `torch.cuda.max_memory_allocated` counts them. The
+cost model, scaled by measurements at the sample's batch (every layer
+rematerialized; the nested plan by its own, as the cost model counts
+nesting as not nested), predicts the largest batch each way fits: every
+layer rematerialized, the planner's lowest plan, that plan nested and run
+in one op order, keeping everything. Every layer rematerialized is
 searched from its prediction, each probe where the line through the two
-nearest the memory meets it; each other way predicted to fit clearly more is searched from one
-multiple above the best so far. At the largest batch found, the ways that
-fit there (and keeping everything, where predicted to) are timed and
-checked fastest first by the one rule of a planned budget
-(`search.checked_peaks`); the first that fits is returned.
+nearest the memory meets it; each other way predicted to fit clearly more
+from one multiple above the best so far. At the largest batch found, the
+ways that fit there are timed and checked fastest first by the one rule of
+a planned budget (`search.checked_peaks`); the first that fits is returned.
 """
 
 import dataclasses
@@ -179,8 +177,8 @@ def largest_batch(model, memory, sample_input, *, sample_target=None,
   and searched further only if it fits there. At the largest batch
   of all, the ways that fit there (and keeping everything, where predicted
   to come within `near_batch` of it) are timed, and checked fastest first:
-  the first that fits is returned (where none fits, the same at a batch a
-  little lower).
+  the first that fits is returned (where none fits, the same lower down,
+  with every way found to fit there).
 
   Every way is judged as a planned budget is (`tfremat.planner.Settings`:
   `first_calls` steps, then `check_calls` where those fit): the step's
@@ -365,7 +363,7 @@ class BatchSearch:
     if batch and reach["none"] >= (1 - self.settings.near_batch) * batch:
       near.append("none")
     batch, chosen, measured, speed = self.held_ways(near, batch, multiple,
-                                                    timing_rounds)
+                                                    timing_rounds, found)
     if self.progress is not None:
       self.progress.update(max(self.progress.target,
                                self.progress._seen_so_far),  # pylint: disable=protected-access
@@ -460,17 +458,19 @@ class BatchSearch:
     return any(t.way == way and t.batch <= batch and not t.fits
                for t in self.trials)
 
-  def held_ways(self, ways, batch, multiple, timing_rounds):
+  def held_ways(self, ways, batch, multiple, timing_rounds, found):
     """(batch, way, its Measured, its examples per second or None): at
     `batch`, or where none fits the largest below it aimed at from their
-    bounds, the fastest per example of `ways` that fits over
-    `settings.check_calls` calls. The ways are timed first (when there are
-    several) and checked fastest first, so the slower ones are not checked
-    when a faster one fits. (0, None, None, None) if none fits."""
+    bounds or `found` ({way: largest batch}) for another way, the fastest
+    per example that fits over `settings.check_calls` calls, of `ways` and
+    of each way found to fit that batch. The ways are timed first (when there are several) and
+    checked fastest first, so the slower ones are not checked when a
+    faster one fits. (0, None, None, None) if none fits."""
     for _ in range(4):
-      if batch < 1 or not ways:
-        break
-      candidates = [w for w in ways if not self.over_at_or_below(w, batch)]
+      ways = list(ways) + [w for w, b in found.items()
+                           if b >= batch and w not in ways]
+      candidates = [w for w in ways if batch >= 1 and
+                    not self.over_at_or_below(w, batch)]
       if not candidates:
         break
       speeds = self.timed(candidates, batch, timing_rounds)
@@ -484,8 +484,9 @@ class BatchSearch:
       if not checks:
         break
       held = self.held_at(batch).total_bytes
-      batch = min(max(_aimed(batch, held + m.bound_bytes, self.memory_bytes,
-                             multiple) for m in checks.values()),
+      batch = min(max([_aimed(batch, held + m.bound_bytes, self.memory_bytes,
+                              multiple) for m in checks.values()] +
+                      [b for b in found.values() if b < batch]),
                   batch - multiple)
     return 0, None, None, None
 
