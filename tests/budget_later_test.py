@@ -28,7 +28,7 @@ import tfremat
 from tfremat import chain
 from tfremat import models
 from tfremat._src.planning.runner import Batch
-from conftest import functional_mlp, sample_chain
+from conftest import functional_mlp, planned_chain, sample_chain
 
 # In a new Python: the saved model and batch loaded, what training holds
 # counted from their tensors (weights, the optimizer's state once built, the
@@ -115,8 +115,7 @@ def _assert_later_steps_within_budget(budget_bytes, plan_text, tmp_path,
 
 def _plan_of(model):
   """The plan of the planned chain inside `model`."""
-  return next(l for l in model.layers
-              if isinstance(l, tfremat.RematSequential)).plan
+  return planned_chain(model).plan
 
 
 _LONG = pytest.mark.long

@@ -16,7 +16,7 @@ from tfremat import measure
 from tfremat import models
 from tfremat import planner
 from tfremat._src.planning import shapes
-from conftest import assert_trees_close, random_costs
+from conftest import assert_trees_close, planned_chain, random_costs
 
 
 def _compiled_mlp(blocks=4, width=64, hidden=256):
@@ -45,8 +45,7 @@ def _nbytes(variables):
 
 
 def _plan_of(model):
-  return next(l for l in model.layers
-              if isinstance(l, tfremat.RematSequential)).plan
+  return planned_chain(model).plan
 
 
 def test_a_compiled_model_is_planned_on_its_own_train_on_batch():

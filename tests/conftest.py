@@ -27,6 +27,7 @@ import numpy as np  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
+import tfremat  # pylint: disable=g-import-not-at-top
 from tfremat import planner  # pylint: disable=g-import-not-at-top
 from tfremat import policies  # pylint: disable=g-import-not-at-top
 
@@ -505,6 +506,12 @@ def sample_chain(name):
   for block in blocks:
     block.build(x.shape)
   return blocks, x
+
+
+def planned_chain(model):
+  """The `RematSequential` a planned model's chain runs in."""
+  return next(l for l in model.layers
+              if isinstance(l, tfremat.RematSequential))
 
 
 def functional_mlp():

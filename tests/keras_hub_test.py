@@ -17,7 +17,8 @@ from tfremat import chain
 from tfremat import measure
 from tfremat import models
 from tfremat import planner
-from conftest import assert_parity, remat_modes_off, scoped_or_plain
+from conftest import assert_parity, planned_chain, remat_modes_off
+from conftest import scoped_or_plain
 
 keras_hub = pytest.importorskip("keras_hub")
 
@@ -51,8 +52,7 @@ def test_budget_plans_keras_hub_backbones_exactly_and_within_budget(name):
   model, batch = _backbone(name), _batch(name)
   planned = tfremat.remat_model(model, budget=0.5, sample_input=batch,
                                 verbose=0)
-  chain = next(l for l in planned.layers
-               if isinstance(l, tfremat.RematSequential))
+  chain = planned_chain(planned)
   # Each transformer layer is a unit of its own (reading the mask).
   inside = lambda u: (u.unit.layers if isinstance(u, tfremat.chain.ContextUnit)
                       else [u])
@@ -94,8 +94,7 @@ def test_a_budget_below_each_layer_alone_plans_nested_exactly(name):
   model, batch = _backbone(name), _batch(name)
   planned = tfremat.remat_model(model, budget=0.3, sample_input=batch,
                                 verbose=0)
-  plan = next(l for l in planned.layers
-              if isinstance(l, tfremat.RematSequential)).plan
+  plan = planned_chain(planned).plan
   assert any(s.nested for s in plan.segments), str(plan)
   assert plan.measured.bound_bytes <= plan.budget_bytes, str(plan)
   for mode in ("function", "xla"):

@@ -26,7 +26,7 @@ from tfremat._src.keras_api.remat_model import chain_units
 from tfremat._src.api.remat_model import remat_model
 from conftest import DEVICES, FeedForward, assert_parity
 from conftest import assert_serves_without_tfremat
-from conftest import assert_trees_close
+from conftest import assert_trees_close, planned_chain
 
 
 def _resnet():
@@ -477,8 +477,7 @@ def test_budget_plans_a_functional_transformer_with_exact_gradients(tmp_path):
   model, x, _ = _flat_transformer_lm(blocks=2, seq_len=32, width=32, batch=64)
   planned = remat_model(model, budget="70%", sample_input=x, verbose=0,
                         policies=("dots_with_no_batch_dims_and_masks_saveable",))
-  chain = next(l for l in planned.layers
-               if isinstance(l, tfremat.RematSequential))
+  chain = planned_chain(planned)
   plan = chain.plan
   assert plan.measured_peak_bytes <= plan.budget_bytes
   assert any(plan.rematerialized)
@@ -561,8 +560,7 @@ def test_budget_plans_blocks_that_read_a_padding_mask_exactly(
   model, data = _masked_transformer()
   planned = remat_model(model, budget=1.0, sample_input=data, verbose=0,
                         policies=())
-  chain = next(l for l in planned.layers
-               if isinstance(l, tfremat.RematSequential))
+  chain = planned_chain(planned)
   assert len(chain.chain) == 4  # Three blocks and the head.
   assert_parity(lambda remat, inputs: (planned if remat else model)(
       inputs, training=True), (data,), model.trainable_weights, step_mode,
