@@ -463,9 +463,9 @@ class BatchSearch:
     `batch`, or where none fits the largest below it aimed at from their
     bounds or `found` ({way: largest batch}) for another way, the fastest
     per example that fits over `settings.check_calls` calls, of `ways` and
-    of each way found to fit that batch. The ways are timed first (when there are several) and
-    checked fastest first, so the slower ones are not checked when a
-    faster one fits. (0, None, None, None) if none fits."""
+    of each way found to fit that batch. The ways are timed first (when
+    there are several) and checked fastest first, so the slower ones are
+    not checked when a faster one fits; (0, None, None, None) if none does."""
     for _ in range(4):
       ways = list(ways) + [w for w, b in found.items()
                            if b >= batch and w not in ways]
