@@ -395,9 +395,9 @@ class BatchSearch:
       if not segments or segments == alone or any(
           c.segments == tuple(segments) for c in self.candidates.values()):
         continue
-      ordered = name == "nested" and self.settings.try_ordered
-      self.candidates[name] = search.Candidate(segments, ordered)
-      self.plans[name] = Plan(costs, segments, ordered=ordered)
+      candidate = proposals.candidate_for(segments, self.settings)
+      self.candidates[name] = candidate
+      self.plans[name] = Plan(costs, segments, ordered=candidate.ordered)
     return costs
 
   def predicted(self, way, costs, first, scale):

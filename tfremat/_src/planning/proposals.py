@@ -17,6 +17,7 @@ from tfremat._src.planning.plan import plan as plan_for
 
 __all__ = [
     "Candidate",
+    "candidate_for",
     "next_plan",
     "lowest_plan",
 ]
@@ -30,6 +31,14 @@ class Candidate:
 
   def __post_init__(self):
     object.__setattr__(self, "segments", tuple(self.segments))
+
+
+def candidate_for(segments, settings):
+  """`segments` as measured and run: ordered where a segment is nested and
+  `settings.try_ordered` (unordered, a nested plan's peak moved on later
+  steps past every call checked: budget_later_test)."""
+  return Candidate(segments, settings.try_ordered and
+                   any(s.nested for s in segments))
 
 
 def next_plan(costs, trials, step_bytes, settings,
@@ -164,15 +173,15 @@ def _lowest(costs, trials, settings, nestable, measured):
   each was measured."""
   lowest = lowest_plan(costs).segments
   nested = cost_model.nested_segments(list(lowest), nestable)
-  orders = (False, True)[:1 + settings.try_ordered]
-  # A nested plan only ordered (where ordering is tried): unordered, its
-  # peak moved on later steps past every call checked (budget_later_test).
-  tries = [(lowest, o, "the lowest plan predicted") for o in orders]
-  tries.append((nested, orders[-1], "the lowest plan predicted, nested"))
-  for segments, ordered, what in tries:
-    if segments and Candidate(segments, ordered) not in measured:
-      return (Candidate(segments, ordered), "lowest",
-              what + (", ordered" if ordered else ""))
+  tries = [(Candidate(lowest, o), "the lowest plan predicted")
+           for o in (False, True)[:1 + settings.try_ordered]]
+  if nested:
+    tries.append((candidate_for(nested, settings),
+                  "the lowest plan predicted, nested"))
+  for candidate, what in tries:
+    if candidate.segments and candidate not in measured:
+      return (candidate, "lowest",
+              what + (", ordered" if candidate.ordered else ""))
   return None
 
 
