@@ -1,7 +1,7 @@
-"""A budget is of the step users train: a compiled model's own
-`train_on_batch` (its loss, its optimizer's update), bytes that count what
-training holds (weights, optimizer state, batch), and every input shape the
-step is traced for."""
+"""A budget is of the step users train: a compiled model's own training
+step (its loss, its optimizer's update), bytes that count what training
+holds (weights, optimizer state, batch), and the input shape each step runs
+at (budget_shapes_test.py trains through `fit` at shapes that change)."""
 
 import dataclasses
 
@@ -15,8 +15,12 @@ from tfremat import chain
 from tfremat import measure
 from tfremat import models
 from tfremat import planner
-from tfremat._src.planning import shapes
-from conftest import assert_trees_close, planned_chain, random_costs
+from tfremat._src.planning import budget as budget_lib
+from tfremat._src.planning import growth
+from conftest import assert_one_scale_parity
+from conftest import assert_trees_close
+from conftest import planned_chain
+from conftest import random_costs
 
 
 def _compiled_mlp(blocks=4, width=64, hidden=256):
@@ -129,56 +133,55 @@ def test_a_byte_budget_counts_what_training_holds():
                         sample_target=y, verbose=0)
 
 
-def test_a_cost_fitted_over_shapes_passes_through_both_measurements():
-  # Linear: the half holds half. Quadratic in part: it holds less (scores
-  # of attention). Less than in proportion: a constant besides (scratch).
-  assert shapes.fitted(100, 50, 0.5, 2.0) == pytest.approx(200)
-  assert shapes.fitted(100, 25, 0.5, 2.0) == pytest.approx(400)
-  assert shapes.fitted(100, 75, 0.5, 2.0) == pytest.approx(150)
-  for half in (25, 40, 50, 75, 100):
-    assert shapes.fitted(100, half, 0.5, 1.0) == pytest.approx(100)
-    assert shapes.fitted(100, half, 0.5, 0.5) == pytest.approx(half)
-  assert shapes.fitted(100, 0, 0.5, 0.1) >= 0
-
-
 def _shaped_plan(budget_fraction=0.6):
-  """A checked plan (stand-in measurements: the model's own figures) on
-  random costs, fitted over shapes as a sequence model's: costs at half the
-  sequence are half of them, but its layers' saved tensors, a quarter."""
+  """A checked plan on random costs that grow as a sequence model's do:
+  inputs, outputs and transients in proportion to batch x sequence, saved
+  tensors half so and half as attention's scores (batch x sequence
+  squared); its variants measured as the cost model predicts them."""
   costs = random_costs(np.random.default_rng(6), 8)
-  half = [dataclasses.replace(
-      c, input_bytes=c.input_bytes // 2, output_bytes=c.output_bytes // 2,
-      saved_bytes=c.saved_bytes // 4,
-      forward_transient_bytes=c.forward_transient_bytes // 2,
-      backward_transient_bytes=c.backward_transient_bytes // 2,
-      forward_seconds=c.forward_seconds / 2,
-      backward_seconds=c.backward_seconds / 2) for c in costs]
+  bs, bss = growth.Rows.monomial((1, 1)), growth.Rows.monomial((1, 2))
+  costs = [dataclasses.replace(c, growth={
+      "input_bytes": bs * c.input_bytes,
+      "output_bytes": bs * c.output_bytes,
+      "saved_bytes": (bs + bss) * (c.saved_bytes / 2),
+      "forward_transient_bytes": bs * c.forward_transient_bytes,
+      "backward_transient_bytes": bs * c.backward_transient_bytes,
+      "saved_share": (bs + bss) * 0.5, "work": bs}) for c in costs]
   keep_peak = planner.predict(costs, planner.keep_all(8))[0]
   budget = int(budget_fraction * keep_peak)
   segments = planner.plan(costs, int(0.9 * budget)).segments
   peak = planner.predict(costs, list(segments))[0]
-  return planner.Plan(
+  plan = planner.Plan(
       costs, segments, budget, planner.Budget(num_bytes=budget),
       measured=planner.Measured(peak, int(1.05 * peak), 10, peak // 20),
       measured_keep=planner.Measured(keep_peak, keep_peak, 10),
-      held=planner.Held(), shapes=shapes.ShapeFit((8, 64, 16), 1, 32, half))
+      held=planner.Held(), shape=(8, 64, 16))
+  plan = budget_lib.with_variants(plan, planner.DEFAULT_SETTINGS)
+  return plan.replace(variants_measured=tuple(
+      planner.Measured.of(planner.predict(costs, list(v))[0], 0.05)
+      for v in plan.variants))
 
 
 def test_a_plan_chooses_segments_for_each_shape_without_measuring():
   plan = _shaped_plan()
-  assert plan.segments_at((8, 64, 16)) == plan.segments
-  assert plan.segments_at((None, 64, 16)) == plan.segments  # The sample's.
+  remat = lambda segments: sum(s.stop - s.start for s in segments if s.remat)
+  sample = plan.segments_at((8, 64, 16))
+  assert plan.segments_at((None, 64, 16)) == sample  # The sample's.
+  assert plan.predicted_bound_at((8, 64, 16), sample) <= plan.budget_bytes
   # A shorter sequence keeps more and runs faster; a longer one recomputes
-  # more; each predicted within the budget.
+  # more; each predicted within the budget, where attention's scores grow
+  # with the sequence squared.
   shorter, longer = plan.segments_at((8, 32, 16)), plan.segments_at(
       (8, 80, 16))
-  remat = lambda segments: sum(s.stop - s.start for s in segments if s.remat)
-  assert remat(shorter) < remat(plan.segments) < remat(longer)
+  assert remat(shorter) < remat(sample) < remat(longer)
   assert (plan.seconds_at((8, 32, 16), shorter) <
-          plan.seconds_at((8, 32, 16), plan.segments))
+          plan.seconds_at((8, 32, 16), sample))
   for shape, segments in (((8, 32, 16), shorter), ((8, 80, 16), longer)):
-    assert plan.predicted_peak_at(shape, segments) <= plan.budget_bytes
-  # Where no plan is predicted to fit, a clear error names the shape.
+    assert plan.predicted_bound_at(shape, segments) <= plan.budget_bytes
+  ratio = plan.predicted_peak_at((8, 128, 16), longer) / (
+      plan.predicted_peak_at((8, 64, 16), longer))
+  assert ratio > 2.0  # Not in proportion: the scores' square.
+  # Where no variant is predicted to fit, a clear error names the shape.
   with pytest.raises(tfremat.errors.BudgetUnreachableError,
                      match=r"at input shape \(8, 512, 16\)"):
     plan.segments_at((8, 512, 16))
@@ -187,10 +190,33 @@ def test_a_plan_chooses_segments_for_each_shape_without_measuring():
   assert again == plan and again.segments_at((8, 32, 16)) == shorter
 
 
+def test_the_choice_in_a_graph_is_the_choice_in_python():
+  plan = _shaped_plan()
+  shapes = [(8, 64, 16), (8, 32, 16), (8, 80, 16), (3, 100, 16),
+            (16, 48, 16), (8, 512, 16)]
+
+  @tf.function
+  def choose(shape):
+    index, check = plan.choose_in_graph(shape)
+    with tf.control_dependencies([check]):
+      return tf.identity(index)
+
+  for shape in shapes:
+    try:
+      expected = plan.variants.index(plan.segments_at(shape))
+    except tfremat.errors.BudgetUnreachableError:
+      with pytest.raises(tf.errors.InvalidArgumentError,
+                         match="no rematerialization plan is predicted"):
+        choose(tf.constant(shape))
+      continue
+    assert int(choose(tf.constant(shape))) == expected, shape
+
+
 def test_a_planned_chain_runs_the_plan_for_the_shape_it_is_traced_for():
   # A chain of transformer blocks planned on a sample of sequence 32, then
-  # trained at 40 and 16: the segments of each shape's plan run, with the
-  # gradients of the chain without remat.
+  # run at 40 and 16 in steps traced for those shapes and in one traced
+  # for any: the segments chosen there run, with the gradients of the
+  # chain without remat.
   blocks = [models.transformer_block(None, 32, 2, 0.0, i) for i in range(4)]
   x = tf.random.stateless_normal([8, 32, 32], seed=[1, 2])
   keep = tfremat.remat_sequential(blocks, budget=1.0, sample_input=x,
@@ -198,19 +224,24 @@ def test_a_planned_chain_runs_the_plan_for_the_shape_it_is_traced_for():
   budget = keep.held_bytes + int(0.6 * keep.measured_keep.peak_bytes)
   layer = tfremat.remat_sequential(blocks, budget=budget, sample_input=x,
                                    verbose=0)
-  assert layer.plan.shapes.axis == 1 and layer.plan.shapes.half == 16
+  assert len(layer.plan.variants) > 1 and layer.plan.shape == (8, 32, 32)
+  relaxed = chain.training_step(layer, relaxed=True)
+  plain = chain.training_step(keras.Sequential(blocks))
   for length in (40, 16):
     at = tf.random.stateless_normal([8, length, 32], seed=[3, length])
     assert layer.segments_for(at) == layer.plan.segments_at((8, length, 32))
-    planned = chain.training_step(layer)(at)
-    plain = chain.training_step(keras.Sequential(blocks))(at)
-    assert_trees_close([np.asarray(g) for g in planned],
-                       [np.asarray(g) for g in plain])
-  # Traced for a shape no plan fits, the step raises before it runs.
+    expected = [np.asarray(g) for g in plain(at)]
+    for step in (chain.training_step(layer), relaxed):
+      assert_one_scale_parity([np.asarray(g) for g in step(at)], expected)
+  # Traced for a shape no plan fits, the step raises before it runs; run
+  # at it in a step traced for any shape, the step raises as it runs.
   huge = tf.zeros([8, 2048, 32])
   with pytest.raises(tfremat.errors.BudgetUnreachableError,
                      match="at input shape"):
     chain.training_step(layer).get_concrete_function(huge)
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match="no rematerialization plan is predicted"):
+    relaxed(huge)
 
 
 def test_largest_batch_counts_the_optimizer_and_returns_a_compiled_model():

@@ -442,7 +442,7 @@ def test_checked_plan_shows_progress_without_escape_codes_in_a_log(capsys):
   def plan(verbose):
     return budget_lib.plan_budget(
         budget_lib.Chain(tuple(layers)), runner, Batch(tf.zeros([1, 1])),
-        0.5, costs=costs, verbose=verbose, fit_shapes=False)
+        0.5, costs=costs, verbose=verbose)
 
   plan(verbose=1)
   out = capsys.readouterr().out

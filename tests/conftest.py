@@ -555,6 +555,10 @@ class StandInRunner:
     values = self._peaks[candidate]
     return [values[i % len(values)] for i in range(calls)]
 
+  def variant_peaks(self, plan, batch, calls):
+    return [self.peaks(Candidate(v, plan.ordered), batch, calls)
+            for v in plan.variants]
+
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 

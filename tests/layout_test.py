@@ -132,7 +132,7 @@ def test_each_idea_sits_at_its_level():
   # runner they are given.
   pure = {"_src.planning.cost_model", "_src.planning.plan",
           "_src.planning.plan_text", "_src.planning.search",
-          "_src.planning.proposals", "_src.planning.shapes", "_src.units",
+          "_src.planning.proposals", "_src.planning.growth", "_src.units",
           "_src.core.policies", "_src.keras_api.segments"}
   for module in pure - {"_src.core.policies"}:
     assert deps[module] <= pure, (module, deps[module])

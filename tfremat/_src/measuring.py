@@ -29,6 +29,8 @@ __all__ = [
     "StepPeak",
     "held_bytes",
     "replicated",
+    "relaxed_spec",
+    "RelaxedFunction",
     "median_seconds",
     "seconds",
     "format_bytes",
@@ -363,6 +365,53 @@ def replicated(fn, jit_compile=False, reduce_retracing=False):
       return tf.nest.map_structure(tf.identity, results[0])
 
   return tf.function(in_replicas, reduce_retracing=reduce_retracing)
+
+
+def relaxed_spec(tensor, batch_only=False):
+  """A `tf.TensorSpec` of `tensor` with each axis that may change size
+  between steps unknown, as Keras's `fit` traces its step once a second
+  shape arrives: every axis but a float tensor's last (its features), or
+  with `batch_only` the first alone."""
+  tensor = tf.convert_to_tensor(tensor)
+  dims = list(tensor.shape)
+  for i in range(len(dims)):
+    if i == 0 or not batch_only and not (
+        i == len(dims) - 1 and len(dims) >= 2 and tensor.dtype.is_floating):
+      dims[i] = None
+  return tf.TensorSpec(dims, tensor.dtype)
+
+
+class RelaxedFunction:
+  """`fn` as a `tf.function` traced once, on its first call, for any size
+  of its arguments' axes that may change between steps (`relaxed_spec`):
+  the program a step runs after Keras has seen a second shape, which can
+  hold more than one traced for static shapes (a reduction or reshape that
+  is free at a known shape copies at an unknown one). Where `fn` cannot be
+  traced so (a model that flattens an image needs its height), only the
+  batch axis is unknown, or none is."""
+
+  def __init__(self, fn, jit_compile=False):
+    self._fn = fn
+    self._jit_compile = jit_compile
+    self._traced = None
+
+  def __call__(self, *args):
+    if self._traced is None:
+      self._traced = self._trace(args)
+    return self._traced(*args)
+
+  def _trace(self, args):
+    for batch_only in (False, True):
+      signature = tf.nest.map_structure(
+          lambda t, b=batch_only: relaxed_spec(t, b), list(args))
+      traced = tf.function(self._fn, input_signature=signature,
+                           jit_compile=self._jit_compile)
+      try:
+        traced.get_concrete_function(*signature)
+        return traced
+      except (ValueError, TypeError):
+        continue
+    return tf.function(self._fn, jit_compile=self._jit_compile)
 
 
 def wait_for(result):

@@ -18,6 +18,7 @@ every step would repeat the same masks.
 
 import contextlib
 import threading
+import weakref
 
 import tensorflow as tf
 
@@ -36,20 +37,35 @@ __all__ = [
     "replaying",
 ]
 
-_COLLECTION = "tfremat_step_seed"
 _eager_state = threading.local()
 
 
+# Graph -> its seed state. Not a graph collection: a function graph (a
+# tf.cond branch, a loop body, a nested tf.function) shares its outer
+# graph's collections, and a seed tensor of one branch cannot be read in
+# another.
+_graph_states = weakref.WeakKeyDictionary()
+
+
 def _state():
-  """The mutable per-graph (or, in eager mode, per-thread) seed state."""
+  """The mutable per-graph (or, in eager mode, per-thread) seed state.
+
+  A function graph inside another (a `tf.cond` branch, a loop body, a
+  nested `tf.function`) starts from a copy of its outer graph's state, so
+  its seeds continue the outer ones (their tensors captured), and its draws
+  advance only its own counter: every branch of a cond starts from the same
+  seed, and nothing of one branch is read in another or after it."""
   if tf.executing_eagerly():
     if not hasattr(_eager_state, "value"):
       _eager_state.value = {}
     return _eager_state.value
-  collection = tf.compat.v1.get_default_graph().get_collection_ref(_COLLECTION)
-  if not collection:
-    collection.append({})
-  return collection[0]
+  graph = tf.compat.v1.get_default_graph()
+  if graph not in _graph_states:
+    outer = getattr(graph, "outer_graph", None)
+    while outer is not None and outer not in _graph_states:
+      outer = getattr(outer, "outer_graph", None)
+    _graph_states[graph] = dict(_graph_states[outer]) if outer else {}
+  return _graph_states[graph]
 
 
 def ResetStepSeed(seed=0):

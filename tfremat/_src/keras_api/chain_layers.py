@@ -29,6 +29,7 @@ __all__ = [
     "nest_target",
     "call_link",
     "RematSequential",
+    "Probe",
     "SOURCE_OPS",
 ]
 
@@ -153,13 +154,17 @@ class RematSequential(keras.layers.Layer):
       (`tfremat.planner.Segment`).
     plan: the planner's `Plan` that chose the segments, if it did; kept in
       the layer's config, so `.plan` prints the same after a `.keras` file
-      is saved and loaded. Where the plan can choose segments for other
-      input shapes (`Plan.segments_at`: a byte budget, planned with costs
-      fitted over shapes), a call on an input of another static shape runs
-      the segments it chooses there, with no new measurement; an unknown
-      dimension is taken as the largest this layer has been traced for, at
-      least the plan's sample's (Keras's `fit` traces a last partial batch,
-      and a second sequence length, with unknown dimensions).
+      is saved and loaded. Where the plan chooses by the input's shape
+      (`Plan.variants`), a call on an input of another shape runs the
+      segments it predicts within its budget there (`Plan.segments_at`),
+      with no new measurement: chosen as the step is traced where the
+      shape is known, and, in a step traced with an unknown dimension (as
+      Keras's `fit` traces a last partial batch, or a second sequence
+      length), each time the step runs, by the shape it runs at: every
+      variant is traced, and a `tf.switch_case` runs the chosen one. Where
+      none fits, the call raises (at trace time, or as the step runs,
+      before the chain does; under XLA, which drops assertions, the lowest
+      variant runs).
     policy: the save policy of rematerialized segments that name none.
     gated: each kept layer hands its input gradient on only after its
       weight gradients are computed, as a rematerialized segment does
@@ -207,12 +212,17 @@ class RematSequential(keras.layers.Layer):
           plan)
     self.plan = plan
     self.steps = self._steps_of(segments)
-    # Segments chosen for other input shapes, and their steps; not tracked
-    # by Keras (their layers are this chain's, already tracked in `steps`).
-    self._at_shapes = _ShapeRuns(tuple(segments), self.steps)
+    # The steps of each segments run, gated or not; not tracked by Keras
+    # (their layers are this chain's, already tracked in `steps`).
+    self._made = _Steps({(tuple(segments), self.gated): self.steps})
+    # Where the planner checks each variant (`Plan.choose_in_graph`'s
+    # `force`); not tracked, not saved.
+    self.probe = Probe()
 
-  def _steps_of(self, segments):
-    """The layers that run `segments` of the chain, in order."""
+  def _steps_of(self, segments, gated=None):
+    """The layers that run `segments` of the chain, in order (kept layers
+    gated as the chain is, or as `gated` says)."""
+    gated = self.gated if gated is None else gated
     steps = []
     for seg in segments:
       part = self.chain[seg.start:seg.stop]
@@ -226,7 +236,7 @@ class RematSequential(keras.layers.Layer):
       if seg.remat:
         steps.append(
             RematerializationLayer(body, policy=seg.policy or self.policy))
-      elif self.gated:
+      elif gated:
         steps += [RematerializationLayer(
             l, policy="everything_saveable") for l in part]
       else:
@@ -238,23 +248,52 @@ class RematSequential(keras.layers.Layer):
     self.built = True
 
   def segments_for(self, x):
-    """The segments a call on `x` runs: the plan's for `x`'s static shape
-    (`Plan.segments_at`), where the plan chooses per shape, else
-    `segments`. Raises the plan's error where no plan fits that shape."""
-    shape = self._at_shapes.shape_of(x)
-    at = getattr(self.plan, "segments_at", None)
-    if at is None or shape is None:
+    """The segments a call on `x` runs where its shape is known: the plan's
+    for that shape (`Plan.segments_at`), where the plan chooses by shape,
+    else `segments`. Raises the plan's error where none fits that shape."""
+    if not getattr(self.plan, "chooses", False):
       return tuple(self.segments)
-    return tuple(at(shape))
+    shape = _static_shape(x)
+    if shape is None or None in shape:
+      return tuple(self.plan.segments)
+    return tuple(self.plan.segments_at(shape))
 
   def call(self, x, context=None, training=None):
     """Runs the chain on `x`; `context` is the list of tensors its
     `ContextUnit`s read (see there), if it has any."""
+    shape = _static_shape(x)
+    if (getattr(self.plan, "chooses", False) and
+        not tf.executing_eagerly() and isinstance(x, tf.Tensor) and
+        shape is not None and None in shape[:self.plan.num_axes]):
+      return self._chosen_as_it_runs(x, context, training)
     segments = self.segments_for(x)
-    steps = self._at_shapes.steps(segments, self._steps_of)
+    return self._run_segments(segments, self.gated, x, context, training)
+
+  def _chosen_as_it_runs(self, x, context, training):
+    """The chain in a graph traced for any size of some axis: each variant
+    traced in a branch of a `tf.switch_case` on the plan's choice at the
+    shape the step runs at (`Plan.choose_in_graph`), after its check.
+    Kept layers run ungated there: gated inside a branch, they held their
+    activations until the branch's whole backward pass ended."""
+    index, check = self.plan.choose_in_graph(tf.shape(x),
+                                             force=self.probe.variable)
+    with tf.control_dependencies([check]):
+      x = tf.identity(x)
+
+    def branch(segments):
+      # Each branch reads the input in its own graph, where the saved
+      # tensors of its rematerialized calls are found by what they read.
+      return lambda: self._run_segments(segments, False, tf.identity(x),
+                                        context, training)
+
+    return tf.switch_case(index, [branch(v) for v in self.plan.variants])
+
+  def _run_segments(self, segments, gated, x, context, training):
+    steps = self._made.get((tuple(segments), gated),
+                           lambda: self._steps_of(segments, gated))
     graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
     if (not self.ordered or graph is None or
-        not (self.gated or any(s.remat for s in segments)) or
+        not (gated or any(s.remat for s in segments)) or
         control_flow_util.GraphOrParentsInXlaContext(graph) or
         _one_executor_thread()):
       # Eager ops, XLA's compiled steps and an executor with one inter-op
@@ -326,39 +365,38 @@ class RematSequential(keras.layers.Layer):
     return cls(layers, **config)
 
 
-class _ShapeRuns:
-  """A chain's steps for each segments it has run, and the largest size it
-  has been traced for on each axis of its input (`RematSequential`). A
-  plain object: Keras tracks what a layer holds in lists and dicts, and
-  these steps are made of the chain's own layers."""
+class _Steps:
+  """A chain's steps for each (segments, gated) it has run
+  (`RematSequential`). A plain object: Keras tracks what a layer holds in
+  lists and dicts, and these steps are made of the chain's own layers."""
 
-  def __init__(self, segments, steps):
-    self._steps = {segments: steps}
-    self._largest = None
+  def __init__(self, made):
+    self._made = dict(made)
 
-  def shape_of(self, x):
-    """`x`'s static shape, each unknown dimension the largest traced so far
-    on that axis (None where there is none yet); None for an input of
-    unknown rank or a nested input."""
-    if not isinstance(x, (tf.Tensor, keras.KerasTensor)):
-      return None
-    try:
-      dims = [None if d is None else int(d) for d in tuple(x.shape)]
-    except ValueError:  # A shape of unknown rank.
-      return None
-    if self._largest is None or len(self._largest) != len(dims):
-      self._largest = [None] * len(dims)
-    for i, d in enumerate(dims):
-      if d is not None:
-        self._largest[i] = max(d, self._largest[i] or 0)
-      else:
-        dims[i] = self._largest[i]
-    return tuple(dims)
+  def get(self, key, make):
+    if key not in self._made:
+      self._made[key] = make()
+    return self._made[key]
 
-  def steps(self, segments, make):
-    if segments not in self._steps:
-      self._steps[segments] = make(segments)
-    return self._steps[segments]
+
+class Probe:
+  """A variable that, while the planner checks a plan's variants, forces
+  the one a chain runs (-1: the plan's choice). A plain object, so that
+  Keras neither tracks nor saves it."""
+
+  def __init__(self):
+    self.variable = None
+
+
+def _static_shape(x):
+  """`x`'s static shape as a tuple (None for an unknown dimension), or None
+  for an input of unknown rank or a nested input."""
+  if not isinstance(x, (tf.Tensor, keras.KerasTensor)):
+    return None
+  try:
+    return tuple(None if d is None else int(d) for d in tuple(x.shape))
+  except ValueError:  # A shape of unknown rank.
+    return None
 
 
 def _gradients(ys, xs, grad_ys):

@@ -17,7 +17,8 @@ __all__ = [
 ]
 
 
-def apply_plan(layers, plan, *, chain=None, place=False, **kwargs):
+def apply_plan(layers, plan, *, chain=None, place=False, probe=None,
+               **kwargs):
   """The chain `layers` run as `plan` says.
 
   Args:
@@ -30,6 +31,8 @@ def apply_plan(layers, plan, *, chain=None, place=False, **kwargs):
     place: rematerialize `layers` where they are, in their model
       (`remat_in_place`, nested where a segment is), instead of building a
       chain: each rematerialized segment's layers under its policy.
+    probe: a `chain_layers.Probe` the chain's choice of variant reads
+      (the planner's check of each variant).
     **kwargs: for the `RematSequential` (its `name`, say).
 
   Returns:
@@ -49,6 +52,8 @@ def apply_plan(layers, plan, *, chain=None, place=False, **kwargs):
   planned = RematSequential(layers, plan.segments,
                             plan=plan if isinstance(plan, Plan) else None,
                             ordered=plan.ordered, gated=True, **kwargs)
+  if probe is not None:
+    planned.probe = probe
   return planned if chain is None else chain.model_with(planned)
 
 

@@ -1,9 +1,9 @@
 """Planning a chain for a budget, in one direction: profile (each unit's
-costs on the sample) -> costs -> the search (`search.search_budget`:
-candidates from the cost model, each checked by measuring the runner's
-training step) -> the plan -> how its costs change with the input's shape
-(`shapes.ShapeFit`: the units profiled and keeping everything measured
-again on the sample cut in half). The entry points hand in the chain, the
+costs on the sample, and how they grow with its shape, read from its step
+traced again with each axis halved) -> costs -> the search
+(`search.search_budget`: candidates from the cost model, each checked by
+measuring the runner's training step) -> the plan, with the plans it runs
+at other shapes (`Plan.variants`). The entry points hand in the chain, the
 runner and the batch; `apply.apply_plan` then turns the plan into layers.
 """
 
@@ -18,12 +18,14 @@ from tfremat._src.core import policies as policies_lib
 from tfremat._src.keras_api import in_place
 from tfremat._src.keras_api.chain_layers import call_link
 from tfremat._src.keras_api.chain_layers import nest_target
-from tfremat._src.keras_api.segments import keep_all
 from tfremat._src.planning import profile
+from tfremat._src.planning import cost_model
+from tfremat._src.planning import proposals
 from tfremat._src.planning import search
-from tfremat._src.planning import shapes
+from tfremat._src.planning import growth
 from tfremat._src.planning.cost_model import Budget
 from tfremat._src.planning.cost_model import predict
+from tfremat._src.planning.plan import Measured
 from tfremat._src.planning.runner import Batch
 from tfremat._src.planning.runner import nbytes
 
@@ -31,7 +33,8 @@ __all__ = [
     "Chain",
     "plan_budget",
     "profiled",
-    "shape_fit",
+    "perturbed",
+    "with_variants",
     "planning_arguments",
     "planned_policies",
     "retracing_quiet",
@@ -56,18 +59,49 @@ class Chain:
 
 
 def profiled(chain, batch, policies, settings, progress=None):
-  """The chain's LayerCosts on `batch` (`profile.measure_chain`)."""
+  """The chain's LayerCosts on `batch` (`profile.measure_chain`), with how
+  they grow with its shape (`perturbed`)."""
   return profile.measure_chain(
       chain.units, chain.input_of(batch), policies=policies,
       waiting_fraction=settings.waiting_fraction, progress=progress,
-      context=chain.context_of(batch))
+      context=chain.context_of(batch), perturbed=perturbed(chain, batch))
+
+
+def perturbed(chain, batch):
+  """The chain's input with each axis but its last halved in turn (the
+  batch, then a sequence or an image's height and width), each a
+  `profile.Perturbed`: the batch cut there, so that the context and the
+  model's layers before the chain follow. An axis the model takes at one
+  size only is left out."""
+  x = tf.convert_to_tensor(chain.input_of(batch))
+  found = []
+  for axis, size in growth.perturbed_sizes(tuple(x.shape)):
+    try:
+      cut = (batch.resized(size) if axis == 0 else
+             batch.cut(axis, max(1, _first_length(batch, axis) // 2)))
+      if cut is None:
+        continue
+      other = tf.convert_to_tensor(chain.input_of(cut))
+    except (ValueError, TypeError, tf.errors.InvalidArgumentError):
+      continue  # A model built for one length (or batch) only.
+    changed = [i for i, (a, b) in enumerate(zip(other.shape, x.shape))
+               if a != b]
+    if changed != [axis]:
+      continue
+    found.append(profile.Perturbed(axis, other.shape[axis] / x.shape[axis],
+                                   other, chain.context_of(cut)))
+  return found
+
+
+def _first_length(batch, axis):
+  return int(tf.nest.flatten(batch.x)[0].shape[axis])
 
 
 def plan_budget(chain, runner, batch, budget, *, policies=(), costs=None,
-                settings=search.DEFAULT_SETTINGS, verbose=0, fit_shapes=None):
+                settings=search.DEFAULT_SETTINGS, verbose=0):
   """The planner's plan for `chain` within `budget`, checked by measuring
-  `runner`'s training step on `batch`, and, with `fit_shapes` (by default
-  for a budget in bytes), fitted over shapes (`shape_fit`).
+  `runner`'s training step on `batch`, with the plans it runs at other
+  input shapes (`with_variants`).
 
   Keeping everything is measured first, before any unit is profiled: a
   budget put out of reach by what training holds, or by the weight
@@ -76,19 +110,14 @@ def plan_budget(chain, runner, batch, budget, *, policies=(), costs=None,
 
   Returns:
     The `tfremat.planner.Plan`; its `search` says what was measured, its
-    `shapes` how its costs change with the input's shape (None without
-    `fit_shapes`: a fraction of the step's peak holds at another shape
-    with the same segments).
+    `variants` what it runs at other shapes.
 
   Raises:
     tfremat.errors.BudgetUnreachableError (a ValueError).
   """
   budget = Budget.parse(budget)
-  if fit_shapes is None:  # A fraction holds at another shape as it is.
-    fit_shapes = budget.num_bytes is not None
   units = list(chain.units)
-  steps = ((len(units) if costs is None else 0) + 1 + settings.rounds + 3 +
-           (2 if fit_shapes else 0))
+  steps = (len(units) if costs is None else 0) + 1 + settings.rounds + 3
   progress = measure.progress_bar(steps, "measurement", verbose)
   with retracing_quiet(), measure.restoring(_built_variables(chain, batch)):
     plan = search.choose_plan(
@@ -98,12 +127,72 @@ def plan_budget(chain, runner, batch, budget, *, policies=(), costs=None,
         nestable=[in_place.can_nest(nest_target(u)) for u in units],
         floor_bytes=nbytes([u.trainable_weights for u in units]),
         num_layers=len(units))
-    if fit_shapes:
-      plan = plan.replace(shapes=shape_fit(chain, runner, batch, plan,
-                                           settings))
+    shape = tuple(tf.convert_to_tensor(chain.input_of(batch)).shape)
+    plan = with_variants(plan.replace(
+        shape=shape, overhead_bytes=plan.measured.peak_bytes -
+        predict(plan.costs, list(plan.segments))[0]), settings)
+    plan = checked_variants(plan, runner, batch, settings)
   if progress is not None:
     progress.update(progress.target, finalize=True)
   return plan
+
+
+def checked_variants(plan, runner, batch, settings):
+  """`plan` with each variant measured at the sample over
+  `settings.first_calls` steps in the program that runs it
+  (`Runner.variant_peaks`), its prediction's calibration
+  (`Plan.variants_measured`).
+
+  Raises:
+    tfremat.errors.BudgetUnreachableError: in that program no variant
+      fits the budget at the sample.
+  """
+  peaks = runner.variant_peaks(plan, batch, settings.first_calls)
+  plan = plan.replace(variants_measured=tuple(
+      Measured.of(p, settings.reserve) for p in peaks))
+  plan.segments_at(plan.shape)  # Raises where none fits at the sample.
+  return plan
+
+
+# Each axis's size over the sample's at which `with_variants` plans.
+_LADDER = (0.25, 0.5, 2.0, 4.0)
+
+
+def with_variants(plan, settings):
+  """`plan` with the segments it runs at other input shapes
+  (`Plan.variants`): at each of `_LADDER` times the sample's size along
+  each axis, the fastest plan the cost model predicts within the budget
+  there (aimed `settings.aim_below` under it), then the lowest plan; this
+  plan's own; the fastest first, at most `settings.variants` (the fastest,
+  this plan's and the lowest kept). Its measured bound over its peak is
+  carried to every shape."""
+  if plan.budget.fraction == 1.0:
+    return plan  # Keeping everything, at every shape.
+  n = plan.num_axes
+  found = {tuple(plan.segments),
+           tuple(proposals.lowest_plan(plan.costs).segments)}
+  for axis in range(n):
+    for factor in _LADDER:
+      ratios = tuple(factor if i == axis else 1.0 for i in range(n))
+      shape = tuple(max(1, round(d * r)) for d, r in
+                    zip(plan.shape, ratios)) + plan.shape[n:]
+      target = (plan.allowed_at(shape) * (1 - settings.aim_below) *
+                plan.measured.peak_bytes / plan.measured.bound_bytes -
+                plan.predicted_peak_at(shape) +
+                predict([c.at(ratios) for c in plan.costs],
+                        list(plan.segments))[0])
+      segments = cost_model.fastest([c.at(ratios) for c in plan.costs],
+                                    target)
+      if segments is not None:
+        found.add(tuple(segments))
+  ordered = sorted(found, key=lambda v: predict(plan.costs, list(v))[1])
+  keep = {ordered[0], tuple(plan.segments), ordered[-1]}
+  rest = [v for v in ordered if v not in keep]
+  room = max(0, settings.variants - len(keep))
+  if rest and room:
+    step = len(rest) / room
+    keep |= {rest[int(i * step)] for i in range(min(room, len(rest)))}
+  return plan.replace(variants=tuple(v for v in ordered if v in keep))
 
 
 class _Counted:
@@ -134,46 +223,6 @@ def _built_variables(chain, batch):
     x = call_link(unit, x, context, False)
   del x  # Held through the measurements, it would shift their peaks.
   return [v for unit in chain.units for v in unit.variables]
-
-
-def shape_fit(chain, runner, batch, plan, settings):
-  """How the chain's costs, and what the measured step holds beyond them,
-  change with the input's shape (`shapes.ShapeFit`): the units profiled
-  and keeping everything measured on the sample cut in half along the
-  sequence, or where the model takes one length only, the batch."""
-  shape = tuple(tf.convert_to_tensor(chain.input_of(batch)).shape)
-  keep_peak = predict(plan.costs, keep_all(len(plan.costs)))[0]
-  overhead = plan.measured_keep.peak_bytes - keep_peak
-  for axis, half in _halves(shape):
-    cut = (batch.resized(half) if axis == 0 else
-           batch.cut(shape[axis], half))
-    try:
-      # Without save policies: what a policy keeps is fitted as the layer's
-      # saved tensors are (`ShapeFit.costs_at`).
-      half_costs = profiled(chain, cut, (), settings) if cut else None
-    except ValueError:  # A model built for one length (or batch) only.
-      half_costs = None
-    if half_costs is None:
-      continue
-    keep = search.Candidate(keep_all(len(plan.costs)))
-    half_keep = max(search.checked_peaks(runner, keep, cut, None, settings,
-                                         probe=True))
-    half_overhead = half_keep - predict(half_costs,
-                                        keep_all(len(half_costs)))[0]
-    return shapes.ShapeFit(shape, axis, half, half_costs,
-                           (overhead, half_overhead),
-                           aim_below=settings.aim_below)
-  return shapes.ShapeFit(shape, overheads=(overhead, overhead),
-                         aim_below=settings.aim_below)
-
-
-def _halves(shape):
-  """Where to cut the sample in two, in order: its sequence (an input of
-  rank 3 or more), then its batch; each (axis, half of its size), where
-  that half is 2 or more."""
-  axes = [1, 0] if len(shape) >= 3 else [0]
-  return [(axis, shape[axis] // 2) for axis in axes
-          if shape[axis] is not None and shape[axis] >= 4]
 
 
 def planning_arguments(caller, budget, sample_input, policies, policy=None):

@@ -1,6 +1,9 @@
-"""The planner's cost model: what each layer of a chain costs, the plans
-(segments) a chain can run under, and the exact search for the fastest plan
-whose predicted peak fits a number of bytes.
+"""The planner's cost model: what each layer of a chain costs, at the
+sample's shape and, through how each cost grows (`growth.Rows`), at any
+other; the plans (segments) a chain can run under; and the exact search for
+the fastest plan whose predicted peak fits a number of bytes. `predict`
+computes with numbers, or with `Rows` (`LayerCost.symbolic`): a plan's
+peak at every shape, as a few polynomials of the input's axis ratios.
 
 Pure: it computes with measured costs and never measures. Its public names
 are `tfremat.planner`'s; `tfremat.planner` holds plans, their measured
@@ -21,6 +24,9 @@ from tfremat._src.keras_api.segments import check_segments
 from tfremat._src.keras_api.segments import keep_all
 from tfremat._src.keras_api.segments import policy_of
 from tfremat._src.keras_api.segments import uniform_segments
+from tfremat._src.planning import growth as growth_lib
+from tfremat._src.planning.growth import Rows
+from tfremat._src.planning.growth import maximum
 
 __all__ = [
     "LayerCost",
@@ -71,6 +77,11 @@ class LayerCost:
     policy_keeps: per save policy, what it keeps of this layer by
       kind, for printouts: "dots", "masks", "softmax", other op types joined
       with "+", or "nothing" (a softmax policy on a layer without softmax).
+    growth: how its costs change with the input's shape, read from its
+      traced step (`profile.measure_layer`): {byte field: `growth.Rows` of
+      its bytes}, "saved_share" (normalized `Rows`: what a save policy
+      keeps grows as the saved tensors) and "work" (normalized: its times).
+      A field without rows grows in proportion to the input's size.
   """
   name: str
   forward_seconds: float
@@ -84,6 +95,7 @@ class LayerCost:
   waiting_recompute_seconds: float = 0.0
   policy_costs: dict = dataclasses.field(default_factory=dict)
   policy_keeps: dict = dataclasses.field(default_factory=dict)
+  growth: dict = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     # Keyed by policy values; a built-in's name given here is parsed.
@@ -104,6 +116,7 @@ class LayerCost:
                               self.policy_costs.items()]
     config["policy_keeps"] = [[policies_lib.serialize(p), kinds]
                               for p, kinds in self.policy_keeps.items()]
+    config["growth"] = {k: v.get_config() for k, v in self.growth.items()}
     return config
 
   @classmethod
@@ -120,24 +133,50 @@ class LayerCost:
           policy_of(entry[0]): (entry[1] if field == "policy_keeps" else
                                  list(entry[1:]))
           for entry in entries}
+    config["growth"] = {k: Rows.from_config(v)
+                        for k, v in (config.get("growth") or {}).items()}
     return cls(**config)
 
+  def _grown(self, field, num_axes):
+    """`Rows` of a field's bytes at every shape: its growth, or in
+    proportion to the input's size over `num_axes` axes."""
+    if field in self.growth:
+      return self.growth[field]
+    return growth_lib.PROPORTIONAL(num_axes) * getattr(self, field)
+
+  def _share(self, name, num_axes):
+    """Normalized `Rows` of "saved_share" or "work"."""
+    return self.growth.get(name, growth_lib.PROPORTIONAL(num_axes))
+
+  def symbolic(self, num_axes=1):
+    """This layer's costs as `Rows` of the input's axis ratios (its times
+    as they are; `num_axes` for a cost with no growth of its own):
+    `predict` on them gives a plan's peak at every shape."""
+    share = self._share("saved_share", num_axes)
+    changes = {f: self._grown(f, num_axes) for f in _BYTE_FIELDS}
+    changes["policy_costs"] = {p: [share * kept, seconds]
+                               for p, (kept, seconds) in
+                               self.policy_costs.items()}
+    return dataclasses.replace(self, **changes)
+
+  def at(self, ratios):
+    """This layer's costs at a shape whose axes are `ratios` times the
+    sample's (`growth.ratios`; axes left out: 1)."""
+    ratios = tuple(ratios)
+    n = len(ratios)
+    time = self._share("work", n).at(ratios)
+    kept = self._share("saved_share", n).at(ratios)
+    changes = {f: int(max(0.0, self._grown(f, n).at(ratios)))
+               for f in _BYTE_FIELDS}
+    changes.update({f: getattr(self, f) * time for f in _SECOND_FIELDS})
+    changes["policy_costs"] = {
+        p: [int(k * kept), seconds * time]
+        for p, (k, seconds) in self.policy_costs.items()}
+    return dataclasses.replace(self, growth={}, **changes)
+
   def scaled(self, factor):
-    """This layer's costs at `factor` times the batch it was measured at,
-    as far as they grow with it: activations' bytes and every time, not
-    the weight gradients. An estimate, for the planner to check."""
-    def by(n):
-      return int(n * factor)
-    return dataclasses.replace(
-        self, forward_seconds=self.forward_seconds * factor,
-        backward_seconds=self.backward_seconds * factor,
-        input_bytes=by(self.input_bytes), output_bytes=by(self.output_bytes),
-        saved_bytes=by(self.saved_bytes),
-        forward_transient_bytes=by(self.forward_transient_bytes),
-        backward_transient_bytes=by(self.backward_transient_bytes),
-        waiting_recompute_seconds=self.waiting_recompute_seconds * factor,
-        policy_costs={p: [by(kept), seconds * factor]
-                      for p, (kept, seconds) in self.policy_costs.items()})
+    """This layer's costs at `factor` times the sample's batch."""
+    return self.at((factor,))
 
   def recompute_seconds(self, policy=None):
     """What rematerializing this layer adds to a step (before waiting)."""
@@ -148,6 +187,13 @@ class LayerCost:
   def kept_bytes(self, policy=None):
     """What a rematerialized forward pass keeps beyond its output."""
     return 0 if policy is None else self.policy_costs[policy][0]
+
+
+# LayerCost's fields that grow with the input's shape.
+_BYTE_FIELDS = ("input_bytes", "output_bytes", "saved_bytes",
+                "forward_transient_bytes", "backward_transient_bytes")
+_SECOND_FIELDS = ("forward_seconds", "backward_seconds",
+                  "waiting_recompute_seconds")
 
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10,
@@ -225,11 +271,11 @@ def _segment_terms(costs, seg):
       # Only the previous in-segment output is live while this layer runs,
       # and what the policy kept of the earlier ones.
       prev = layers[i - 1].output_bytes if i else 0
-      peak = max(peak, kept + prev + c.output_bytes + c.saved_bytes +
+      peak = maximum(peak, kept + prev + c.output_bytes + c.saved_bytes +
                  c.forward_transient_bytes)
       kept += c.kept_bytes(policy)
     else:
-      peak = max(peak, held + c.output_bytes + c.saved_bytes +
+      peak = maximum(peak, held + c.output_bytes + c.saved_bytes +
                  c.forward_transient_bytes)
       held += c.output_bytes + c.saved_bytes
   retained = held if not seg.remat else layers[-1].output_bytes + kept
@@ -242,12 +288,12 @@ def _segment_terms(costs, seg):
       # What the policy kept of this and later layers is live too; what it
       # kept of earlier ones is now part of `held`.
       kept -= c.kept_bytes(policy)
-      peak = max(peak, kept + dy + held + c.output_bytes + c.saved_bytes +
+      peak = maximum(peak, kept + dy + held + c.output_bytes + c.saved_bytes +
                  c.forward_transient_bytes)
     held += c.output_bytes + c.saved_bytes
   grads = 0
   for c in reversed(layers):
-    peak = max(peak, held + c.output_bytes + c.input_bytes + grads +
+    peak = maximum(peak, held + c.output_bytes + c.input_bytes + grads +
                c.weight_grad_bytes + c.backward_transient_bytes)
     held -= c.output_bytes + c.saved_bytes
     grads += c.weight_grad_bytes
@@ -277,11 +323,11 @@ def predict(costs, segments):
   peak, retained, seconds = 0, 0, 0.0
   for seg in segments:
     seg_peak, seg_retained, seg_seconds = _segment_terms(costs, seg)
-    peak = max(peak, retained + after[seg.stop - 1] + seg_peak)
+    peak = maximum(peak, retained + after[seg.stop - 1] + seg_peak)
     retained += seg_retained
     seconds += seg_seconds
   # The loss's gradient arrives while everything retained is still held.
-  peak = max(peak, retained + costs[-1].output_bytes)
+  peak = maximum(peak, retained + costs[-1].output_bytes)
   return peak, seconds
 
 

@@ -1,13 +1,15 @@
 """A plan: which layers of a chain to rematerialize, as a value, with the
 cost model's predictions and, once checked, its measured bound (`Measured`),
-what training holds besides the step (`Held`), how its costs change with
-the input's shape (`shapes.ShapeFit`) and the search that chose it. `plan`
-is the cost model's choice alone."""
+what training holds besides the step (`Held`), the plans it runs at other
+input shapes (`variants`, chosen where the step runs: `segments_at`, and in
+a graph traced for any shape, `choose_in_graph`) and the search that chose
+it. `plan` is the cost model's choice alone."""
 
 import dataclasses
 import functools
 
 import keras
+import tensorflow as tf
 
 from tfremat import errors
 from tfremat._src import units
@@ -20,7 +22,8 @@ from tfremat._src.planning.cost_model import LayerCost
 from tfremat._src.planning.cost_model import fastest
 from tfremat._src.planning.cost_model import predict
 from tfremat._src.planning.cost_model import smallest_budget
-from tfremat._src.planning.shapes import ShapeFit
+from tfremat._src.planning import growth
+from tfremat._src.planning.growth import Rows
 
 __all__ = [
     "Measured",
@@ -99,6 +102,12 @@ class Held:
     return dataclasses.replace(self,
                                batch_bytes=int(self.batch_bytes * factor))
 
+  def rows(self, num_axes):
+    """`Rows` of the total at every input shape: the weights and the
+    optimizer's state as they are, the batch in proportion to its size."""
+    return (growth.PROPORTIONAL(num_axes) * self.batch_bytes +
+            (self.weights_bytes + self.optimizer_bytes))
+
   def __str__(self):
     mib = units.format_bytes
     return (f"{mib(self.total_bytes)}: weights {mib(self.weights_bytes)}, "
@@ -130,8 +139,16 @@ class Plan:
     held: what training holds besides the step at the sample's batch
       (`tfremat.planner.Held`: weights, optimizer state, batch), or None
       (counted as nothing).
-    shapes: how the costs change with the input's shape (`ShapeFit`), for
-      `segments_at`; None: the plan is for the sample's shape only.
+    shape: the chain's input shape on the sample, or None.
+    overhead_bytes: what the measured step held beyond the cost model's
+      peak for this plan (the model's layers outside the chain, its loss,
+      the optimizer's update): the prediction's one calibration.
+    variants: the segments it may run, fastest first, this plan's among
+      them; at each input shape, the first predicted within the budget
+      there (`segments_at`). Empty: this plan's segments at every shape.
+    variants_measured: each variant's `Measured` at the sample, in the
+      program that runs it (a step traced for any shape, the variants in a
+      `tf.switch_case`): its prediction's calibration.
     step: which training step was measured: "train_on_batch" (a compiled
       model's, with its loss and optimizer) or "stand-in" (the gradient of
       sum(y**2)/2 of the outputs, no optimizer); None where nothing was.
@@ -148,7 +165,10 @@ class Plan:
   measured: object = None
   measured_keep: object = None
   held: Held = None
-  shapes: ShapeFit = None
+  shape: tuple = None
+  overhead_bytes: int = 0
+  variants: tuple = ()
+  variants_measured: tuple = ()
   step: str = None
   search: object = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -158,6 +178,14 @@ class Plan:
         s if isinstance(s, Segment) else Segment(*s) for s in self.segments))
     object.__setattr__(self, "ordered", bool(self.ordered))
     check_segments(list(self.segments), len(self.costs))
+    if self.shape is not None:
+      object.__setattr__(self, "shape", tuple(self.shape))
+    object.__setattr__(self, "variants", tuple(
+        tuple(s if isinstance(s, Segment) else Segment(*s) for s in v)
+        for v in self.variants))
+    object.__setattr__(self, "variants_measured", tuple(
+        m if isinstance(m, Measured) else Measured.from_config(m)
+        for m in self.variants_measured))
 
   def replace(self, **changes):
     """A new Plan like this one, with `changes` (any field but `costs`)."""
@@ -220,85 +248,114 @@ class Plan:
     """Per layer: whether it is rematerialized."""
     return [s.remat for s in self.segments for _ in range(s.start, s.stop)]
 
-  @functools.cached_property
-  def _calibration(self):
-    """The measured step's peak beyond the overhead, over the cost model's
-    peak, for this plan at the sample (1 where not measured)."""
-    if self.measured is None or self.shapes is None:
-      return 1.0
-    chain = self.measured.peak_bytes - self.shapes.overheads[0]
-    return min(2.0, max(0.5, chain / max(1, self.peak_bytes)))
+  @property
+  def num_axes(self):
+    """How many of the input's axes may change size (`growth.axes_of`)."""
+    return growth.axes_of(self.shape) if self.shape else 1
+
+  def ratios(self, shape):
+    """Each axis of an input `shape` over the sample's (None: the
+    sample's)."""
+    shape = tuple(s if d is None else d for d, s in zip(shape, self.shape))
+    return growth.ratios(shape, self.shape)
+
+  def rows(self, segments=None):
+    """The step's predicted peak under `segments` (default: this plan's)
+    at every input shape, as `Rows`: the cost model on the costs' growth,
+    plus what the measured step held beyond it at the sample (`_measured`),
+    which grows as the input's size and is never counted lower than at the
+    sample."""
+    segments = tuple(self.segments if segments is None else segments)
+    cache = self.__dict__.setdefault("_rows", {})  # Not a field.
+    if segments not in cache:
+      costs = [c.symbolic(self.num_axes) for c in self.costs]
+      model = predict(costs, list(segments))[0]
+      measured = self._measured(segments)
+      over = (self.overhead_bytes if measured is None else
+              measured.peak_bytes - model.at(()))
+      overhead = growth.maximum(
+          Rows.constant(over), growth.PROPORTIONAL(self.num_axes) * over)
+      cache[segments] = model + overhead
+    return cache[segments]
+
+  def _measured(self, segments):
+    """The `Measured` of `segments` at the sample: as a variant, or as
+    keeping everything; None where they were not measured so."""
+    if segments in self.variants and self.variants_measured:
+      return self.variants_measured[self.variants.index(segments)]
+    if segments == tuple(keep_all(len(self.costs))):
+      return self.measured_keep
+    return None
+
+  def _bound_per_peak(self, segments):
+    """A measured bound over its peak (`segments`' own, else this plan's):
+    carried to every shape."""
+    measured = self._measured(segments) or self.measured
+    return measured.bound_bytes / max(1, measured.peak_bytes)
 
   def predicted_peak_at(self, shape, segments=None):
-    """The step's peak at input shape `shape` under `segments` (default: this
-    plan's), predicted: the cost model at that shape, scaled as this plan's
-    measurement at the sample was, plus the step's overhead there
-    (`ShapeFit`). Needs `shapes`."""
-    segments = list(self.segments if segments is None else segments)
-    costs = self.shapes.costs_at(self.costs, self.shapes.resolved(shape))
-    return int(self._calibration * predict(costs, segments)[0] +
-               self.shapes.overhead_at(self.shapes.resolved(shape)))
+    """The step's peak at input `shape` under `segments` (default: this
+    plan's), predicted (`rows`)."""
+    return int(self.rows(segments).at(self.ratios(shape)))
 
   def seconds_at(self, shape, segments=None):
-    """The cost model's step time at input shape `shape` under `segments`
-    (default: this plan's), its costs fitted over shapes (`shapes`)."""
+    """The cost model's step time at input `shape` under `segments`."""
     segments = list(self.segments if segments is None else segments)
-    costs = self.shapes.costs_at(self.costs, self.shapes.resolved(shape))
-    return predict(costs, segments)[1]
+    ratios = self.ratios(shape)
+    return predict([c.at(ratios) for c in self.costs], segments)[1]
+
+  def allowed_at(self, shape):
+    """What the budget leaves a step's bound at input `shape`: bytes less
+    what training holds there, or the fraction of keeping everything's
+    predicted peak."""
+    ratios = self.ratios(shape)
+    if self.budget.fraction is not None:
+      keep = self.rows(keep_all(len(self.costs))).at(ratios)
+      return self.budget.fraction * keep
+    held = self.held.rows(self.num_axes).at(ratios) if self.held else 0
+    return self.budget_bytes - held
+
+  @property
+  def chooses(self):
+    """Whether the plan chooses its segments by the input's shape."""
+    return bool(self.variants) and self.measured is not None and (
+        self.shape is not None and self.budget is not None)
+
+  def predicted_bound_at(self, shape, segments):
+    """The bound of `segments` at input `shape`: its predicted peak there
+    times its measured bound over its peak at the sample."""
+    return self.predicted_peak_at(shape, segments) * self._bound_per_peak(
+        tuple(segments))
 
   def segments_at(self, shape):
-    """The segments to run on a chain input of `shape` (a tuple; None for an
-    unknown dimension: the sample's): this plan's at the sample's shape;
-    at another, the fastest the cost model predicts within the budget
-    there, fitted over shapes (`shapes`), with no new measurement. A byte
-    budget is what training holds there (the batch grows with the shape)
-    plus the step's predicted peak, held to this plan's measured bound over
-    its peak and aimed `shapes.aim_below` lower; a fraction is of the
-    predicted peak of keeping everything there.
+    """The segments to run on a chain input of `shape` (a tuple; None for
+    an unknown dimension: the sample's): the first of `variants` whose
+    predicted bound (`predicted_bound_at`) fits what the budget leaves
+    there (`allowed_at`), with no new measurement. At the sample's shape
+    that is the fastest variant measured to fit.
 
     Raises:
-      tfremat.errors.BudgetUnreachableError: no plan is predicted to fit
-        at that shape.
+      tfremat.errors.BudgetUnreachableError: none is predicted to fit at
+        that shape.
     """
-    if self.shapes is None or self.budget is None or self.measured is None:
+    if not self.chooses:
       return self.segments
-    shape = self.shapes.resolved(shape)
-    if shape == self.shapes.shape:
-      return self.segments
-    at = self.__dict__.setdefault("_at_shapes", {})  # Not a field.
-    if shape not in at:
-      at[shape] = self._solved_at(shape)
-    return at[shape]
+    shape = tuple(s if d is None else int(d)
+                  for d, s in zip(shape, self.shape))
+    allowed = self.allowed_at(shape)
+    for segments in self.variants:
+      if self.predicted_bound_at(shape, segments) <= allowed:
+        return segments
+    raise _unreachable(self, shape)
 
-  def _solved_at(self, shape):
-    """`segments_at` for a shape other than the sample's."""
-    fit = self.shapes
-    costs = fit.costs_at(self.costs, shape)
-    overhead = fit.overhead_at(shape)
-    keep_peak = predict(costs, keep_all(len(costs)))[0] + overhead
-    held = self.held.with_batch(fit.size_ratio(shape)).total_bytes if (
-        self.held) else 0
-    room = (self.budget.fraction * keep_peak if self.budget.fraction
-            else self.budget_bytes - held)
-    bound_per_peak = self.measured.bound_bytes / max(
-        1, self.measured.peak_bytes)
-    target = room / bound_per_peak * (1 - fit.aim_below)
-    segments = fastest(costs, (target - overhead) / self._calibration)
-    smaller = all(d <= s for d, s in zip(shape, fit.shape))
-    if segments is None and smaller:
-      return self.segments  # A smaller input peaks no higher.
-    if segments is None:
-      mib = units.format_bytes
-      lowest = int(self._calibration * smallest_budget(costs) + overhead)
-      raise errors.BudgetUnreachableError.of(
-          f"No rematerialization plan is predicted to fit the budget of "
-          f"{self.budget} at input shape {shape} (planned at "
-          f"{fit.shape}): there training holds {mib(held)} besides the "
-          f"step, which leaves {mib(int(room))} for its tensors, and the "
-          f"lowest plan is predicted to peak at {mib(lowest)}. Raise the "
-          "budget, train on smaller inputs, or plan on a sample of this "
-          "shape.", lowest, keep_peak)
-    return tuple(segments)
+  def choose_in_graph(self, shape, force=None):
+    """In the graph being built, for an input of dynamic `shape` (an int
+    tensor): the index into `variants` that `segments_at` chooses, and an
+    assertion, to run before the chain, that some variant fits (it fails
+    naming the shape, the budget and the lowest variant's predicted bound).
+    `force`, a variable, overrides the choice where it is not negative
+    (the planner's check of each variant)."""
+    return _choose_in_graph(self, shape, force)
 
   def get_config(self):
     """A JSON-able dict; `Plan.from_config` makes the same Plan from it
@@ -314,7 +371,11 @@ class Plan:
                           if self.measured_keep else None),
         "ordered": self.ordered,
         "held": dataclasses.asdict(self.held) if self.held else None,
-        "shapes": self.shapes.get_config() if self.shapes else None,
+        "shape": list(self.shape) if self.shape else None,
+        "overhead_bytes": self.overhead_bytes,
+        "variants": [[s.as_list() for s in v] for v in self.variants],
+        "variants_measured": [dataclasses.asdict(m)
+                              for m in self.variants_measured],
         "step": self.step,
     }
 
@@ -329,13 +390,67 @@ class Plan:
                Budget(**budget) if budget else None,
                config.get("ordered", False),
                held=Held(**config["held"]) if config.get("held") else None,
-               shapes=(ShapeFit.from_config(config["shapes"])
-                       if config.get("shapes") else None),
+               shape=config.get("shape"),
+               overhead_bytes=config.get("overhead_bytes", 0),
+               variants=[[Segment(*s) for s in v]
+                         for v in config.get("variants") or ()],
+               variants_measured=config.get("variants_measured") or (),
                step=config.get("step"), **measured)
 
   def __str__(self):
     return "\n".join(plan_text.layer_rows(self) +
                      plan_text.summary_rows(self) + [plan_text.LEGEND])
+
+
+def _choose_in_graph(plan_, shape, force):
+  """`Plan.choose_in_graph`."""
+  n = plan_.num_axes
+  ratios = tf.cast(shape[:n], tf.float64) / tf.constant(
+      plan_.shape[:n], tf.float64)
+  if plan_.budget.fraction is not None:
+    allowed = plan_.budget.fraction * plan_.rows(
+        keep_all(len(plan_.costs))).in_graph(ratios)
+  else:
+    held = (plan_.held.rows(n).in_graph(ratios) if plan_.held else
+            tf.constant(0.0, tf.float64))
+    allowed = float(plan_.budget_bytes) - held
+  # pylint: disable-next=protected-access
+  bounds = tf.stack([plan_.rows(v).in_graph(ratios) * plan_._bound_per_peak(v)
+                     for v in plan_.variants])
+  fits = bounds <= allowed
+  index = tf.argmax(tf.cast(fits, tf.int32), output_type=tf.int32)
+  ok = tf.reduce_any(fits)
+  if force is not None:
+    index = tf.where(force >= 0, force, index)
+    ok = tf.logical_or(ok, force >= 0)
+  message = (f"tfremat: no rematerialization plan is predicted to fit the "
+             f"budget of {plan_.budget} at this input shape (planned at "
+             f"{plan_.shape}); raise the budget, train on smaller inputs, or "
+             "plan on a sample of this shape. Input shape, bytes the budget "
+             "leaves the step there, the lowest plan's predicted bound there:")
+  check = tf.debugging.Assert(ok, [message, shape, allowed, bounds[-1]],
+                              summarize=8)
+  return index, check
+
+
+def _unreachable(plan_, shape):
+  """The error for an input `shape` at which no variant is predicted to
+  fit (`Plan.segments_at`)."""
+  mib = units.format_bytes
+  lowest = int(plan_.predicted_bound_at(shape, plan_.variants[-1]))
+  if plan_.budget.fraction is not None:
+    where = "the budget is a fraction of keeping everything's peak there"
+  else:
+    held = (plan_.held.rows(plan_.num_axes).at(plan_.ratios(shape))
+            if plan_.held else 0)
+    where = f"training holds {mib(int(held))} there besides the step"
+  return errors.BudgetUnreachableError.of(
+      f"No rematerialization plan is predicted to fit the budget of "
+      f"{plan_.budget} at input shape {tuple(shape)} (planned at "
+      f"{plan_.shape}): {where}, and the lowest plan's bound is predicted "
+      f"at {mib(lowest)} there. Raise the budget, train on smaller inputs, "
+      "or plan on a sample of this shape.", lowest,
+      plan_.predicted_peak_at(shape, keep_all(len(plan_.costs))))
 
 
 def _refuse_setting(plan_, name, value):

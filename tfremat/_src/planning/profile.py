@@ -19,6 +19,7 @@ from tfremat._src.keras_api import chain_layers
 from tfremat._src.keras_api.chain_layers import call_link
 from tfremat._src.keras_api.layers import RematerializationLayer
 from tfremat._src.keras_api.segments import Segment
+from tfremat._src.planning import growth
 from tfremat._src.planning.cost_model import LayerCost
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "measure_peaks",
     "structure_key",
     "measure_chain",
+    "Perturbed",
     "WAITING_PROBE_LAYERS",
 ]
 
@@ -67,9 +69,10 @@ def training_step(layer, applications=1, jit=False, traced=None,
   pass would cost nothing and every timing and peak would be too low.
 
   `traced`, a dict if given, gets on tracing where the step's forward and
-  backward ops are in its graph, for `_saved_bytes`. `relaxed`: after a
-  second batch size, the step is traced once for every batch size
-  (`tf.function(reduce_retracing=True)`).
+  backward ops are in its graph, for `_saved_bytes`. `relaxed`: traced
+  once for any size of the input's axes that may change
+  (`measure.RelaxedFunction`; under a `tf.distribute` strategy, after a
+  second shape), as Keras's `fit` traces a step once shapes vary.
   """
 
   def step(x):
@@ -93,6 +96,8 @@ def training_step(layer, applications=1, jit=False, traced=None,
                     backward=(forward_end, watch.last_op_id(graph)))
     return grads
 
+  if relaxed and not tf.distribute.has_strategy():
+    return measure.RelaxedFunction(step, jit_compile=jit)
   return measure.replicated(step, jit_compile=jit, reduce_retracing=relaxed)
 
 
@@ -135,11 +140,13 @@ def _saved_bytes(traced):
 
 
 def measure_layer(layer, x, repeats=5, policies=(), context=None,
-                  clock=measure.median_seconds):
+                  clock=measure.median_seconds, perturbed=()):
   """Measures `layer` on input `x`; returns (LayerCost, its output).
   `context`: the chain's context tensors, for a layer that reads them.
   `clock`: what times its steps (`tfremat.measure.median_seconds`'s
-  arguments and result).
+  arguments and result). `perturbed`: `Perturbed` inputs (one axis of `x`
+  resized), where the layer's step is traced and its peaks measured again
+  for how its costs grow (`LayerCost.growth`, `_growth`).
 
   Times are medians of `repeats` calls of traced functions. Bytes come from
   the allocator's statistics around traced calls (`measure.peak_bytes`).
@@ -176,14 +183,7 @@ def measure_layer(layer, x, repeats=5, policies=(), context=None,
   traced = {}
   once = training_step(layer, traced=traced, context=context)
   peak_once = measure.peak_bytes(once, x)
-  saved = _saved_bytes(traced)
-  if saved is None and y.shape == x.shape and y.dtype == x.dtype:
-    # The second application's weight gradients add to the first's in place.
-    saved = _extra_peak_bytes(training_step(layer, 2, context=context), once,
-                              x) - out
-  elif saved is None:
-    saved = measure.held_bytes(_taped, run, x)[1] - out
-  saved = max(0, saved)
+  saved = _saved(layer, traced, once, run, x, y, context)
   fwd_peak = measure.peak_bytes(forward, x)
   # Keyed by the policies' values: a plan's segments run them.
   policies = tuple(policies_lib.get(p) for p in policies)
@@ -221,7 +221,100 @@ def measure_layer(layer, x, repeats=5, policies=(), context=None,
       weight_grad_bytes=grads,
       policy_costs=policy_costs,
       policy_keeps=keeps)
+  if perturbed:
+    cost = dataclasses.replace(cost, growth=_growth(
+        layer, cost, traced, (fwd_peak, peak_once), perturbed))
   return cost, y
+
+
+@dataclasses.dataclass(frozen=True)
+class Perturbed:
+  """A unit's input with one axis resized: `ratio` times the sample's size
+  along `axis`; `context`, the chain's context there."""
+  axis: int
+  ratio: float
+  x: object
+  context: object = None
+
+
+def _growth(layer, cost, traced, peaks, perturbed):
+  """`LayerCost.growth` of `layer` from its step `traced` at the sample and
+  at each `Perturbed` input: each tensor's bytes as a monomial of the axes'
+  ratios (`growth.tensor_terms`); the input, output and saved tensors
+  exactly; the forward and the whole step's measured peaks (`peaks`, at the
+  sample) fitted to the step's live bytes over its ops
+  (`growth.step_growth`) through their measurements at every input, as
+  `a * live + c`, which the transients then are less what the cost model
+  counts besides them."""
+  points, graphs = [], []
+  for p in perturbed:
+    found = {}
+    step = training_step(layer, traced=found, context=p.context)
+    forward = measure.replicated(
+        lambda h, c=p.context: call_link(layer, h, c, True))
+    points.append((p, measure.peak_bytes(forward, p.x),
+                   measure.peak_bytes(step, p.x)))
+    graphs.append((p.axis, p.ratio, found["graph"]))
+  terms = growth.tensor_terms(traced["graph"], graphs)
+  live = growth.step_growth(traced, terms)
+  ratios = [_ratios(p) for p in perturbed]
+
+  def term(tensor, value):
+    return growth.Rows.monomial(terms.get(tensor.name, (0, ()))[1], value)
+
+  x_end, y_end = traced["ends"][0], traced["ends"][-1]
+  inp, out = term(x_end, cost.input_bytes), term(y_end, cost.output_bytes)
+  saved = live["saved"].normalized() * cost.saved_bytes
+  whole = growth.maximum(live["forward"], live["backward"])
+  forward = _fitted(live["forward"], peaks[0], ratios,
+                    [f for _, f, _ in points])
+  step = _fitted(whole, peaks[1], ratios, [s for _, _, s in points])
+  return {
+      "input_bytes": inp,
+      "output_bytes": out,
+      "saved_bytes": saved,
+      "forward_transient_bytes": forward - out,
+      "backward_transient_bytes": (step - saved - out - out - inp -
+                                   cost.weight_grad_bytes),
+      "saved_share": live["saved"].normalized(),
+      "work": live["work"].normalized(),
+  }
+
+
+def _ratios(p):
+  ratios = [1.0] * (p.axis + 1)
+  ratios[p.axis] = p.ratio
+  return tuple(ratios)
+
+
+def _fitted(rows, measured, ratios, others):
+  """`a * rows + c` through `measured` at the sample and, least squares,
+  through `others` at `ratios`: a measured peak grows as the step's live
+  bytes, with what the graph does not show (kernels' scratch, rewrites) in
+  `a` and `c`."""
+  base = rows.at(())
+  dx = [rows.at(r) - base for r in ratios]
+  dy = [m - measured for m in others]
+  spread = sum(d * d for d in dx)
+  if spread <= 0:
+    a = measured / base if base > 0 else 0.0
+  else:
+    a = max(0.0, sum(x * y for x, y in zip(dx, dy)) / spread)
+  return rows * a + (measured - a * base)
+
+
+def _saved(layer, traced, once, run, x, y, context):
+  """What `layer` keeps for its backward pass besides its input and output
+  (`measure_layer`): read from its traced step, else measured."""
+  saved = _saved_bytes(traced)
+  out = _nbytes(y)
+  if saved is None and y.shape == x.shape and y.dtype == x.dtype:
+    # The second application's weight gradients add to the first's in place.
+    saved = _extra_peak_bytes(training_step(layer, 2, context=context), once,
+                              x) - out
+  elif saved is None:
+    saved = measure.held_bytes(_taped, run, x)[1] - out
+  return max(0, saved)
 
 
 def _taped(run, x):
@@ -319,7 +412,7 @@ WAITING_PROBE_LAYERS = 4
 
 def measure_chain(layers, sample_input, repeats=5, progress=None,
                   policies=(), measure_waiting=False, waiting_fraction=0.2,
-                  context=None):
+                  context=None, perturbed=()):
   """Measures each layer of a chain in turn; returns a list of LayerCost.
 
   Structurally identical layers (`structure_key`) are measured once: the
@@ -345,10 +438,13 @@ def measure_chain(layers, sample_input, repeats=5, progress=None,
   for the timing of waiting recomputes). `policies` are the save policies
   (names or values) to measure each layer under (`measure_layer`).
   `context`: the chain's context tensors on the sample, for the layers that
-  read them (a model's units that read a padding mask).
+  read them (a model's units that read a padding mask). `perturbed`: the
+  chain's `Perturbed` inputs, each walked through the chain beside the
+  sample for how each layer's costs grow (`measure_layer`).
   """
   advance = progress.add if progress is not None else lambda _: None
   costs, x, measured = [], tf.convert_to_tensor(sample_input), {}
+  perturbed = list(perturbed)
   for layer in layers:
     key = structure_key(layer, x, policies)
     if key is not None and key in measured:
@@ -356,9 +452,13 @@ def measure_chain(layers, sample_input, repeats=5, progress=None,
       # The next layer's input, as an input.
       x = call_link(layer, x, context, False)
     else:
-      cost, x = measure_layer(layer, x, repeats, policies, context)
+      cost, x = measure_layer(layer, x, repeats, policies, context,
+                              perturbed=perturbed)
       if key is not None:
         measured[key] = cost
+    perturbed = [dataclasses.replace(p, x=call_link(layer, p.x, p.context,
+                                                    False))
+                 for p in perturbed]
     costs.append(cost)
     advance(1)
   ratio = waiting_fraction

@@ -9,8 +9,14 @@ measurement. Tests hand the searches a stand-in runner instead.
                  stand-in step, the gradient of sum(y**2)/2 of its output
   ModelRunner    a functional model rebuilt around its planned chain
                  (`remat_model`, `largest_batch`): a compiled model's own
-                 `train_on_batch(x, y)` (its loss, its optimizer's update)
-                 given targets, else the stand-in step of the whole model
+                 training step (its `train_step`: its loss, its
+                 optimizer's update) given targets, else the stand-in step
+                 of the whole model
+
+A step is traced for any size of the axes that may change between steps
+(`measure.RelaxedFunction`): the program Keras's `fit` runs once it has
+seen a second shape, which can hold more than one traced for the first
+(its static shapes let TensorFlow drop copies).
   InPlaceRunner  a compiled model whose layers are rematerialized where
                  they are (`remat_in_place_for_budget`): `train_on_batch`
 """
@@ -22,6 +28,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfremat._src import measuring as measure
+from tfremat._src.keras_api.chain_layers import Probe
 from tfremat._src.planning import apply
 from tfremat._src.planning import profile
 from tfremat._src.planning.plan import Held
@@ -36,6 +43,7 @@ __all__ = [
     "TRAIN_ON_BATCH",
     "nbytes",
     "fit_step",
+    "relaxed_fit_step",
 ]
 
 # What `Runner.step` names.
@@ -76,21 +84,24 @@ class Batch:
     return Batch(tf.nest.map_structure(one, self.x),
                  None if self.y is None else tf.nest.map_structure(one, self.y))
 
-  def cut(self, length, to):
-    """The batch with every tensor whose second axis is `length` long (a
-    sequence: token ids, their targets, a padding mask) cut to its first
-    `to`; None where no tensor has such an axis."""
-    found = []
+  def cut(self, axis, to):
+    """The batch with every tensor as long as its first input along `axis`
+    (>= 1: a sequence's token ids, their targets, a padding mask; an
+    image's height) cut to its first `to` there; None where its first
+    input has no such axis."""
+    first = tf.convert_to_tensor(tf.nest.flatten(self.x)[0])
+    if first.shape.rank is None or first.shape.rank <= axis:
+      return None
+    length = first.shape[axis]
 
     def one(t):
       t = tf.convert_to_tensor(t)
-      if t.shape.rank is not None and t.shape.rank >= 2 and t.shape[1] == length:
-        found.append(t)
-        return t[:, :to]
+      if t.shape.rank is not None and t.shape.rank > axis and (
+          t.shape[axis] == length):
+        return tf.gather(t, tf.range(to), axis=axis)
       return t
-    cut = Batch(tf.nest.map_structure(one, self.x),
-                None if self.y is None else tf.nest.map_structure(one, self.y))
-    return cut if found else None
+    return Batch(tf.nest.map_structure(one, self.x),
+                 None if self.y is None else tf.nest.map_structure(one, self.y))
 
   @property
   def nbytes(self):
@@ -125,9 +136,27 @@ class Runner:
     """What training holds besides the step on `batch` (a `Held`)."""
     raise NotImplementedError
 
-  def build(self, candidate):
-    """The function of a `Batch` that runs `candidate`'s training step."""
+  def build(self, candidate, probe=None):
+    """The function of a `Batch` that runs `candidate`'s training step (a
+    Plan's, its chain's choice of variant reading `probe`)."""
     raise NotImplementedError
+
+  def variant_peaks(self, plan, batch, calls):
+    """Each of `plan`'s variants' peaks over `calls` steps on `batch`, in
+    the program that runs them: the plan applied, its step traced for any
+    shape (every variant in a `tf.switch_case`), each variant forced in
+    turn through the chain's `Probe`. What they train is put back."""
+    probe = Probe()
+    probe.variable = tf.Variable(-1, trainable=False, dtype=tf.int32)
+    step = self.build(plan, probe)
+    batch = self.step_batch(batch)
+    found = []
+    with measure.restoring(self.state()):
+      for index in range(len(plan.variants)):
+        probe.variable.assign(index)
+        found.append([p // self.replicas for p in measure.peaks(
+            step, batch, calls=calls)])
+    return found
 
   def _run(self, candidate):
     if candidate not in self._built:
@@ -166,8 +195,9 @@ class Runner:
 
 
 def _stand_in(layer, context=None):
-  """A `Batch` -> the stand-in training step of `layer` on its inputs."""
-  step = profile.training_step(layer, context=context)
+  """A `Batch` -> the stand-in training step of `layer` on its inputs,
+  traced for any size of their axes (`measure.RelaxedFunction`)."""
+  step = profile.training_step(layer, context=context, relaxed=True)
   return lambda batch: step(batch.x)
 
 
@@ -185,8 +215,8 @@ class ChainRunner(Runner):
     return Held(weights_bytes=nbytes([l.variables for l in self.layers]),
                 batch_bytes=batch.nbytes)
 
-  def build(self, candidate):
-    return _stand_in(apply.apply_plan(self.layers, candidate))
+  def build(self, candidate, probe=None):
+    return _stand_in(apply.apply_plan(self.layers, candidate, probe=probe))
 
 
 def fit_step(model, batch):
@@ -202,6 +232,24 @@ def fit_step(model, batch):
     model.make_train_function(force=True)
     object.__setattr__(model, "_tfremat_traced_for", shapes)
   return model.train_on_batch(batch.x, batch.y)
+
+
+def relaxed_fit_step(model):
+  """A `Batch` -> the compiled `model`'s training step, the `train_step` its
+  `fit` and `train_on_batch` run, traced once for any size of the batch's
+  axes that may change (`measure.RelaxedFunction`): the program `fit` runs
+  once it has seen a second shape, which can hold more than the one
+  traced for the first. Under a `tf.distribute` strategy, `fit_step`."""
+  if tf.distribute.has_strategy():
+    return functools.partial(fit_step, model)
+  step = measure.RelaxedFunction(lambda x, y: model.train_step((x, y, None)),
+                                 jit_compile=model.jit_compile is True)
+
+  def run(batch):
+    # pylint: disable-next=protected-access
+    model._maybe_symbolic_build(data_batch=(batch.x, batch.y, None))
+    return step(batch.x, batch.y)
+  return run
 
 
 def _optimizer_variables(model):
@@ -251,13 +299,13 @@ class ModelRunner(Runner):
   def step_batch(self, batch):
     return _global(batch, self.in_sync) if self.fit else batch
 
-  def build(self, candidate):
+  def build(self, candidate, probe=None):
     planned = apply.apply_plan(self.units, candidate, chain=self.chain,
-                               name=f"{self.model.name}_chain")
+                               name=f"{self.model.name}_chain", probe=probe)
     if not self.fit:
       return _stand_in(planned)
     apply.compiled_like(planned, self.model)
-    return functools.partial(fit_step, planned)
+    return relaxed_fit_step(planned)
 
 
 class InPlaceRunner(Runner):
@@ -280,7 +328,9 @@ class InPlaceRunner(Runner):
   def step_batch(self, batch):
     return _global(batch, self.in_sync)
 
-  def build(self, candidate):
+  def build(self, candidate, probe=None):
+    del probe  # Rematerialized in place: one plan, no variants.
+
     def run(batch):
       if self._current != candidate:
         self.apply(candidate)

@@ -94,6 +94,9 @@ class Settings:
     near_batch: `largest_batch` times every way whose largest batch came
       within this fraction of the best one's, and keeping everything where
       its line reaches that far.
+    variants: how many plans a planned chain chooses between by the input
+      shape it runs at, the planned one among them (`Plan.variants`):
+      each is traced where a step is traced for any shape.
   """
   reserve: float = 0.05
   check_calls: int = 10
@@ -106,11 +109,13 @@ class Settings:
   try_ordered: bool = True
   batch_probes: int = 6
   near_batch: float = 0.04
+  variants: int = 4
 
   def __post_init__(self):
     fractions = ("reserve", "aim_below", "faster_by", "use_at_least",
                  "waiting_fraction", "near_batch")
-    counts = ("check_calls", "first_calls", "rounds", "batch_probes")
+    counts = ("check_calls", "first_calls", "rounds", "batch_probes",
+              "variants")
     bad = [f"{name}={getattr(self, name)!r}" for name in fractions
            if isinstance(getattr(self, name), bool) or
            not isinstance(getattr(self, name), (int, float)) or
@@ -145,7 +150,8 @@ class Settings:
             f"waiting {self.waiting_fraction:.0%} of a rerun's forward time, "
             f"{'ordered plans tried' if self.try_ordered else 'unordered only'}"
             f" before a refusal; largest_batch: {self.batch_probes} probes a "
-            f"way, ways within {self.near_batch:.0%} timed")
+            f"way, ways within {self.near_batch:.0%} timed; {self.variants} "
+            "plans at most by input shape")
 
 
 DEFAULT_SETTINGS = Settings()

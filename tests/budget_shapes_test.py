@@ -1,0 +1,191 @@
+"""A budget holds wherever training goes: a model planned on one sample,
+then trained through Keras's `fit` and `train_on_batch` at lengths and
+batch sizes that change between calls. Keras traces its step again for any
+size once a second shape arrives (`reduce_retracing`), so one traced step
+runs at every later shape: the plan chooses what to rematerialize by the
+shape each step runs at, or the step raises naming it."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfremat
+from tfremat import measure
+from conftest import planned_chain
+
+_VOCAB, _WIDTH = 64, 64
+_NO_PLAN = "no rematerialization plan is predicted to fit"
+
+
+def _lm(blocks=6):
+  """A compiled LM over token sequences of any length: an embedding, then
+  residual LayerNormalization + MLP blocks, as users write them."""
+  keras.utils.set_random_seed(0)
+  tokens = keras.Input((None,), dtype="int32")
+  h = keras.layers.Embedding(_VOCAB, _WIDTH)(tokens)
+  for _ in range(blocks):
+    f = keras.layers.LayerNormalization()(h)
+    f = keras.layers.Dense(4 * _WIDTH, activation="gelu")(f)
+    h = keras.layers.Add()([h, keras.layers.Dense(_WIDTH)(f)])
+  model = keras.Model(tokens, keras.layers.Dense(_VOCAB)(h))
+  model.compile(optimizer="adam",
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True))
+  return model
+
+
+def _tokens(batch, length):
+  x = tf.random.stateless_uniform([batch, length], seed=[1, length],
+                                  maxval=_VOCAB, dtype=tf.int32)
+  return x, tf.roll(x, -1, axis=1)
+
+
+def _mlp(blocks=4, width=64, hidden=256):
+  """A compiled residual MLP with a 10-class head."""
+  keras.utils.set_random_seed(0)
+  x = inputs = keras.Input((width,))
+  for _ in range(blocks):
+    h = keras.layers.Dense(hidden, activation="gelu")(x)
+    x = x + keras.layers.Dense(width)(keras.layers.Dropout(0.1)(h))
+  model = keras.Model(inputs, keras.layers.Dense(10)(x))
+  model.compile(optimizer="adam",
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True))
+  return model
+
+
+def _rows(size, width=64):
+  return (tf.random.stateless_normal([size, width], seed=[1, size]),
+          tf.random.stateless_uniform([size], seed=[3, size], maxval=10,
+                                      dtype=tf.int32))
+
+
+def _nbytes(tree):
+  return sum(int(np.prod(t.shape)) * tf.as_dtype(t.dtype).size
+             for t in tf.nest.flatten(tree))
+
+
+def _held(model, batch):
+  """What training holds besides the step: weights, optimizer state, batch."""
+  model.optimizer.build(model.trainable_variables)
+  return (_nbytes(model.variables) + _nbytes(model.optimizer.variables) +
+          _nbytes(batch))
+
+
+def _budget(model, x, y, fraction):
+  """Held, plus `fraction` of the step's peak keeping everything, in a step
+  traced for any shape (`fit` after its first shape)."""
+  model.train_on_batch(*_cut(x, y, 2))  # The next shape traces for any.
+  keep = measure.peak_bytes(model.train_on_batch, x, y, calls=2)
+  return _held(model, [x, y]) + int(fraction * keep)
+
+
+def _cut(x, y, by):
+  return x[:x.shape[0] // by], y[:y.shape[0] // by]
+
+
+def _step_total(model, x, y):
+  """Held plus the measured peak of `train_on_batch(x, y)`, or None where
+  the step raises that no plan fits this shape: as it runs, where Keras
+  traced it for any shape, or as Keras traces it for this one."""
+  try:
+    peak = measure.peak_bytes(model.train_on_batch, x, y, calls=2)
+  except (tf.errors.InvalidArgumentError,
+          tfremat.errors.BudgetUnreachableError) as e:
+    # Raised as the step runs, or as it is traced for this shape.
+    assert _NO_PLAN in str(e).lower(), e
+    assert "raise the budget" in str(e).lower(), e
+    return None
+  return _held(model, [x, y]) + peak
+
+
+def _full_total(model, x, y):
+  """Held plus the peak of `model` with every unit rematerialized (the
+  lowest a plan goes) at `x`, `y`, in a step traced for any shape."""
+  full = tfremat.remat_model(model, "full")
+  full.train_on_batch(*_cut(x, y, 2))
+  return _held(full, [x, y]) + measure.peak_bytes(full.train_on_batch, x, y,
+                                                  calls=2)
+
+
+def test_an_lm_planned_at_one_length_holds_its_budget_at_every_length():
+  # Planned at length 64, trained at 32..256 in mixed order: Keras traces
+  # its step for any length from the second length on, and every step
+  # holds the budget, keeping more where the sequence is short, or raises
+  # where even every block rematerialized does not fit.
+  model = _lm()
+  x, y = _tokens(32, 64)
+  budget = _budget(model, x, y, 0.6)
+  planned = tfremat.remat_model(model, budget=budget, sample_input=x,
+                                sample_target=y, verbose=0)
+  plan = planned_chain(planned).plan
+  raised = []
+  for length in (32, 128, 64, 96, 256, 48, 128, 64):
+    total = _step_total(planned, *_tokens(32, length))
+    if total is None:
+      raised.append(length)
+    else:
+      assert total <= budget, (length, total, budget, str(plan))
+  assert raised == [256], raised
+  assert _full_total(model, *_tokens(32, 256)) > budget
+  # A shorter sequence keeps more of the chain than the sample's plan.
+  assert len(plan.variants) > 1
+  remat = lambda s: sum(g.stop - g.start for g in s if g.remat)
+  assert remat(plan.segments_at((32, 32, _WIDTH))) < remat(
+      plan.segments_at((32, 64, _WIDTH)))
+
+
+def test_an_lm_trained_with_fit_on_padded_batches_holds_its_budget():
+  # `fit` over a dataset of sequences of different lengths, padded per
+  # batch (tf.data's padded_batch): each batch has its own length.
+  model = _lm(blocks=4)
+  x, y = _tokens(16, 64)
+  budget = _budget(model, x, y, 0.7)
+  planned = tfremat.remat_model(model, budget=budget, sample_input=x,
+                                sample_target=y, verbose=0)
+  # Batches of 16 rows, each as long as its longest row; the first is
+  # the shortest, so the step is first traced for it.
+  longest = [16, 24, 96, 40, 80, 32, 64, 96]
+  lengths = [n - i % 5 for n in longest for i in range(16)]
+  rows = tf.data.Dataset.from_generator(
+      lambda: ((np.arange(n) % _VOCAB, (np.arange(n) + 1) % _VOCAB)
+               for n in lengths),
+      output_signature=(tf.TensorSpec([None], tf.int64),) * 2)
+  data = rows.padded_batch(16).map(
+      lambda a, b: (tf.cast(a, tf.int32), tf.cast(b, tf.int32)))
+  planned.fit(data, epochs=1, verbose=0)  # Traces for its shapes.
+  peak = measure.peak_bytes(lambda: planned.fit(data, epochs=1, verbose=0),
+                            calls=1, warmup=False)
+  assert _held(planned, _tokens(16, 96)) + peak <= budget, (peak, budget)
+
+
+def test_a_fraction_is_of_keeping_everything_at_each_length():
+  model = _lm(blocks=4)
+  x, y = _tokens(16, 64)
+  planned = tfremat.remat_model(model, budget="50%", sample_input=x,
+                                sample_target=y, verbose=0)
+  plan = planned_chain(planned).plan
+  for length in (32, 128):
+    at = _tokens(16, length)
+    peak = _step_total(planned, *at) - _held(planned, at)
+    model.train_on_batch(*_cut(*at, 2))
+    keep = measure.peak_bytes(model.train_on_batch, *at, calls=2)
+    assert peak <= 0.5 * keep * 1.02, (length, peak, keep, str(plan))
+
+
+def test_an_mlp_planned_at_one_batch_holds_its_budget_at_others():
+  # Planned at batch 256; trained at 512 and over a dataset whose last
+  # batch is partial (fit then traces its step for any batch size).
+  model = _mlp()
+  x, y = _rows(256)
+  budget = _budget(model, x, y, 0.8)
+  planned = tfremat.remat_model(model, budget=budget, sample_input=x,
+                                sample_target=y, verbose=0)
+  total = _step_total(planned, *_rows(512))
+  assert total is not None and total <= budget, (total, budget)
+  data = tf.data.Dataset.from_tensor_slices(_rows(1000)).batch(256)
+  planned.fit(data, epochs=1, verbose=0)  # Its last batch has 232 rows.
+  peak = measure.peak_bytes(lambda: planned.fit(data, epochs=1, verbose=0),
+                            calls=1, warmup=False)
+  assert _held(planned, [x, y]) + peak <= budget
