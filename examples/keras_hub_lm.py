@@ -21,6 +21,7 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+import re
 import string
 
 from absl import app
@@ -44,7 +45,8 @@ def define_flags():
   flags.DEFINE_integer("batch", 8, "Batch size.")
   flags.DEFINE_integer("epochs", 2, "Training epochs over the generated text.")
   flags.DEFINE_string("budget", "60%", "The training step's memory budget: "
-                      "a fraction of its peak without remat, or bytes.")
+                      "a fraction of its peak without remat (\"60%\", "
+                      "\"0.6\"), or bytes (\"500MB\", \"500000000\").")
 
 
 def small_gpt2(keras_hub, layers=2, hidden=64, seq_len=64, dropout=0.1):
@@ -93,8 +95,8 @@ def main(argv):
   lm = small_gpt2(keras_hub, FLAGS.layers, FLAGS.hidden, FLAGS.seq_len)
   lm.compile(optimizer=keras.optimizers.Adam(1e-3), sampler="greedy")
   budget = FLAGS.budget
-  if budget.replace(".", "", 1).isdigit():
-    budget = float(budget)  # "0.6": a fraction.
+  if re.fullmatch(r"\s*\d*\.\d+\s*", budget):
+    budget = float(budget)  # "0.6": a fraction; "500000000": bytes.
   chosen = tfremat.remat_in_place_for_budget(
       lm, lm.backbone.transformer_layers, budget, text(FLAGS.batch))
   print(f"{type(lm).__name__}, {FLAGS.layers} blocks, hidden {FLAGS.hidden}, "

@@ -73,7 +73,8 @@ def train(steps, batch, seq_len, blocks, width, vocab, log_every=0):
 
 
 def peak_train_bytes(remat, batch, seq_len, blocks, width, vocab):
-  """Peak allocator bytes of one `train_on_batch` above the prior level."""
+  """The peak of one `train_on_batch`: the largest total of the tensors it
+  allocated and had not freed (`tfremat.measure.peak_bytes`)."""
   model = build(remat, seq_len, blocks, width, vocab)
   data = sequences(batch, seq_len, vocab, seed=1)
   x, y = tf.constant(data[:, :-1]), tf.constant(data[:, 1:])

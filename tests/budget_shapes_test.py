@@ -12,6 +12,9 @@ import tensorflow as tf
 
 import tfremat
 from tfremat import measure
+from tfremat._src.api import remat_model as remat_model_lib
+from tfremat._src.planning.runner import Batch
+from tfremat._src.planning.search import Candidate
 from conftest import planned_chain
 
 _VOCAB, _WIDTH = 64, 64
@@ -100,23 +103,26 @@ def _step_total(model, x, y):
   return _held(model, [x, y]) + peak
 
 
-def _full_total(model, x, y):
-  """Held plus the peak of `model` with every unit rematerialized (the
-  lowest a plan goes) at `x`, `y`, in a step traced for any shape."""
-  full = tfremat.remat_model(model, "full")
-  full.train_on_batch(*_cut(x, y, 2))
-  return _held(full, [x, y]) + measure.peak_bytes(full.train_on_batch, x, y,
-                                                  calls=2)
+def _lowest_total(model, plan, x, y):
+  """Held plus the peak of `model` trained at `x`, `y` with its chain run as
+  `plan`'s lowest variant (the lowest a plan goes: every unit
+  rematerialized, or nearly), in a step traced for their shapes."""
+  parts, units = remat_model_lib.model_chain_of(model)
+  runner, _ = remat_model_lib.model_runner(model, parts, units, y, "test")
+  lowest = Candidate(plan.variants[-1], plan.ordered)
+  return _held(model, [x, y]) + max(runner.peaks(lowest, Batch(x, y), 2))
 
 
 def test_an_lm_planned_at_one_length_holds_its_budget_at_every_length():
   # Planned at length 64, trained at 32..256 in mixed order: Keras traces
   # its step for any length from the second length on, and every step
   # holds the budget, keeping more where the sequence is short, or raises
-  # where even every block rematerialized does not fit.
+  # where even the lowest plan does not fit. (At 70% of keeping
+  # everything at 64, the lowest plan fits 128 with a fifth to spare and
+  # 256 by no means.)
   model = _lm()
   x, y = _tokens(32, 64)
-  budget = _budget(model, x, y, 0.6)
+  budget = _budget(model, x, y, 0.7)
   planned = tfremat.remat_model(model, budget=budget, sample_input=x,
                                 sample_target=y, verbose=0)
   plan = planned_chain(planned).plan
@@ -128,7 +134,7 @@ def test_an_lm_planned_at_one_length_holds_its_budget_at_every_length():
     else:
       assert total <= budget, (length, total, budget, str(plan))
   assert raised == [256], raised
-  assert _full_total(model, *_tokens(32, 256)) > budget
+  assert _lowest_total(model, plan, *_tokens(32, 256)) > budget
   # A shorter sequence keeps more of the chain than the sample's plan.
   assert len(plan.variants) > 1
   remat = lambda s: sum(g.stop - g.start for g in s if g.remat)

@@ -29,6 +29,7 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 import tfremat  # pylint: disable=g-import-not-at-top
 from tfremat import planner  # pylint: disable=g-import-not-at-top
+from tfremat._src.planning.search import Candidate  # pylint: disable=g-import-not-at-top
 from tfremat import policies  # pylint: disable=g-import-not-at-top
 
 # TFREMAT_TEST_POLICY=dots_saveable pytest tests/remat_test.py runs every
@@ -534,6 +535,7 @@ class StandInRunner:
   Training holds `held_bytes` besides the step (as weights)."""
 
   step = "stand-in"
+  jit = False
 
   def __init__(self, measure, held_bytes=0):
     self.measure = measure
@@ -555,9 +557,9 @@ class StandInRunner:
     values = self._peaks[candidate]
     return [values[i % len(values)] for i in range(calls)]
 
-  def variant_peaks(self, plan, batch, calls):
-    return [self.peaks(Candidate(v, plan.ordered), batch, calls)
-            for v in plan.variants]
+  def variant_peaks(self, plan, batches, calls):
+    return [[self.peaks(Candidate(v, plan.ordered), b, calls)
+             for v in plan.variants] for b in batches]
 
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"

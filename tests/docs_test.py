@@ -444,3 +444,66 @@ def test_what_the_docs_say_an_example_does_is_in_its_source():
           if word.lower().rstrip("s") not in source.lower():
             wrong.append(f"{page.name}: {name}.py prints no {word}")
   assert not wrong, wrong
+
+
+# Pages whose promises must each name their test.
+_PROMISING = [ROOT / "README.md", ROOT / "docs" / "guide.md",
+              ROOT / "docs" / "design.md"]
+# A sentence with one of these words promises behaviour (a budget that
+# holds, an error a call raises, what is always or never so).
+_PROMISE = re.compile(r"\b(holds|never|always|every|raises)\b", re.I)
+_TEST_CITED = re.compile(r"tests/(\w+\.py)(?:::(\w+))?")
+_SENTENCE_END = re.compile(r"(?<!\be\.g)(?<!\bi\.e)(?<!\bvs)\.\s+(?=[A-Z`(\[*\"])")
+
+
+def _prose_sentences(page):
+  """(line, sentence) for every sentence of `page`'s prose: not code
+  blocks, tables, headings or HTML comments; a list item or a paragraph
+  split into sentences."""
+  text = re.sub(r"```.*?```", lambda m: "\n" * m.group(0).count("\n"),
+                page.read_text(), flags=re.S)
+  text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
+  blocks, start, lines = [], 0, text.splitlines()
+  current = []
+  for i, line in enumerate(lines + [""]):
+    item = re.match(r"\s*(?:[-*]|\d+\.)\s", line)
+    if not line.strip() or line.lstrip().startswith(("|", "#")) or item:
+      if current:
+        blocks.append((start, " ".join(current)))
+      current = []
+      if item:
+        start, current = i + 1, [line.strip()]
+      continue
+    if not current:
+      start = i + 1
+    current.append(line.strip())
+  for line, block in blocks:
+    for sentence in _SENTENCE_END.split(block):
+      yield line, sentence
+
+
+def _unchecked_promises(pages):
+  """Each `page:line: sentence` that promises (`_PROMISE`) and names no
+  test that exists: `tests/FILE.py` or `tests/FILE.py::test_name`."""
+  found = []
+  for page in pages:
+    for line, sentence in _prose_sentences(page):
+      if not _PROMISE.search(sentence):
+        continue
+      cited = _TEST_CITED.findall(sentence)
+      ok = bool(cited) and all(
+          (ROOT / "tests" / f).exists() and (
+              not name or re.search(rf"^def {name}\(",
+                                    (ROOT / "tests" / f).read_text(), re.M))
+          for f, name in cited)
+      if not ok:
+        found.append(f"{page.name}:{line}: {sentence}")
+  return found
+
+
+def test_every_promise_in_the_docs_names_the_test_that_checks_it():
+  # A sentence that says what always holds, never happens, or raises
+  # names a test in tests/ that checks it; one that cannot is rewritten
+  # to promise less.
+  unchecked = _unchecked_promises(_PROMISING)
+  assert not unchecked, "\n".join(unchecked)

@@ -13,6 +13,7 @@ def test_quickstart_trains_and_remat_matches_and_saves_memory():
   sizes = dict(steps=40, blocks=4, width=64, batch=4096)
   plain_losses, plain_peak = quickstart.train(False, **sizes)
   remat_losses, remat_peak = quickstart.train(True, **sizes)
+  assert len(plain_losses) == len(remat_losses) == sizes["steps"]
   assert remat_losses[-1] < 0.7 * remat_losses[0]
   # Same weights, data and dropout seeds: the same training trajectory.
   np.testing.assert_allclose(remat_losses, plain_losses, rtol=1e-4)

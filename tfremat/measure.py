@@ -19,7 +19,8 @@ allocator (the GPU's, and the CPU's with TF_CPU_ALLOCATOR_USE_BFC=true) puts
 a tensor in a chunk of up to twice its size, and which chunks are free
 depends on what the process did before. `step_peaks` gives both, and the
 benchmark reports the allocator's overhead over the tensors' bytes
-(docs/design.md, "What a budget bounds").
+(docs/design.md, "What a budget bounds"). `fit_peaks` measures every step
+of a `model.fit` call.
 
 It measures the first GPU when there is one, else the CPU. On the CPU the
 allocator's records reach the profiler from TensorFlow's BFC allocator only,
@@ -30,6 +31,7 @@ examples all measure with this module.
 
 from tfremat._src.measuring import PEAK_CALLS
 from tfremat._src.measuring import StepPeak
+from tfremat._src.measuring import fit_peaks
 from tfremat._src.measuring import format_bytes
 from tfremat._src.measuring import held_bytes
 from tfremat._src.measuring import median_seconds
@@ -48,6 +50,7 @@ __all__ = [
     "peak_bytes",
     "peaks",
     "step_peaks",
+    "fit_peaks",
     "StepPeak",
     "held_bytes",
     "replicated",

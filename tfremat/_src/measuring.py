@@ -26,6 +26,7 @@ __all__ = [
     "peak_bytes",
     "peaks",
     "step_peaks",
+    "fit_peaks",
     "StepPeak",
     "held_bytes",
     "replicated",
@@ -158,6 +159,31 @@ def step_peaks(step, *args, calls=PEAK_CALLS, warmup=True, **kwargs):
     for _ in range(calls):
       with recorded.call():
         wait_for(step(*args, **kwargs))
+  return recorded.peaks
+
+
+def fit_peaks(model, data, **fit_kwargs):
+  """Every training step's `StepPeak` in `model.fit(data, **fit_kwargs)`,
+  in order: each step measured as `step_peaks` measures a call, from when
+  Keras starts it (`on_train_batch_begin`) to when it ends. What `fit`'s
+  data pipeline allocates meanwhile (the next batches) counts too."""
+  import keras  # pylint: disable=g-import-not-at-top
+  device = memory_device()
+  _check_allocator(device)
+
+  windows = []
+
+  class Windows(keras.callbacks.Callback):
+
+    def on_train_batch_begin(self, batch, logs=None):
+      windows.append(recorded.call())
+      windows[-1].__enter__()
+
+    def on_train_batch_end(self, batch, logs=None):
+      windows.pop().__exit__(None, None, None)
+
+  with _Allocations(device) as recorded:
+    model.fit(data, callbacks=[Windows()], **fit_kwargs)
   return recorded.peaks
 
 

@@ -77,10 +77,14 @@ def define_flags():
                     "The models --max_batch runs (--blocks and --width size "
                     "mlp and transformer).")
   flags.DEFINE_string("shapes", None,
-                      "A memory budget (\"96MiB\"): plan a transformer LM "
-                      "for it at one sequence length, then predict and "
-                      "measure its peak and step time at other sequence "
-                      "lengths and batches.")
+                      "A memory budget (\"160MiB\"): plan a transformer LM "
+                      "for it at one sequence length, train it with fit "
+                      "over batches of other lengths and sizes, and set "
+                      "each step's measured peak beside its prediction.")
+  flags.DEFINE_bool("shape_families", False,
+                    "Plan four kinds of model at 60% on a sample, and set "
+                    "each one's predicted peak at three other shapes beside "
+                    "the peaks measured there.")
   flags.DEFINE_string("csv", "sweep.csv", "Where --sweep writes its CSV.")
   flags.DEFINE_string("plot", "sweep.png",
                       "Where --sweep draws its plot (needs matplotlib: "
@@ -231,17 +235,25 @@ def _run_schemes():
 
 
 def _run_shapes():
-  """--shapes: a plan's predicted peak and time at other shapes, against
-  measurement."""
+  """--shapes: a planned LM's fit over batches of other shapes, each step's
+  peak predicted and measured."""
   memory = _memory("shapes", FLAGS.shapes)
   print(tables.environment())
   print(f"a transformer LM planned within {measure.format_bytes(memory)} "
-        f"at one sequence length, then predicted and measured at others, "
-        f"tf.function, {FLAGS.steps} timed rounds")
-  rows = shapes.measure_shapes(memory, rounds=FLAGS.steps,
-                               log=lambda line: print(line, flush=True))
-  print(tables.format_shape_table(rows))
-  print(tables.SHAPE_LEGEND.format(steps=FLAGS.steps))
+        "at one sequence length, then trained with fit over batches of "
+        "other lengths and sizes")
+  rows = shapes.fit_rows(memory, log=lambda line: print(line, flush=True))
+  print(tables.format_fit_table(rows))
+  print(tables.FIT_LEGEND)
+
+
+def _run_shape_families():
+  """--shape_families: four kinds of model, each planned on a sample, then
+  predicted and measured at other shapes."""
+  print(tables.environment())
+  rows = shapes.family_rows(log=lambda line: print(line, flush=True))
+  print(tables.format_family_table(rows))
+  print(tables.FAMILY_LEGEND)
 
 
 def _run_methods():
@@ -288,7 +300,8 @@ def parse_flags(argv):
 
 def main(argv):
   """Runs the one mode the flags name: --max_batch, --shapes,
-  --whole_models, --sweep or --budget-fraction, else the methods table."""
+  --shape_families, --whole_models, --sweep or --budget-fraction, else the
+  methods table."""
   del argv
   if FLAGS.eager and FLAGS.jit:
     raise app.UsageError("--eager and --jit exclude each other: pick one.")
@@ -299,6 +312,7 @@ def main(argv):
         f"{', '.join(methods_lib.METHODS)}.")
   modes = [name for name, given in (
       ("--max_batch", FLAGS.max_batch), ("--shapes", FLAGS.shapes),
+      ("--shape_families", FLAGS.shape_families),
       ("--whole_models", FLAGS.whole_models)) if given]
   if len(modes) > 1:
     raise app.UsageError(f"{' and '.join(modes)} are separate runs: give "
@@ -307,6 +321,8 @@ def main(argv):
     _run_max_batch()
   elif FLAGS.shapes:
     _run_shapes()
+  elif FLAGS.shape_families:
+    _run_shape_families()
   elif FLAGS.whole_models:
     _run_whole_models()
   elif FLAGS.sweep or FLAGS.budget_fraction is not None:

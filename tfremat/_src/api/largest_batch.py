@@ -151,7 +151,9 @@ def largest_batch(model, memory, sample_input, *, sample_target=None,
 
     found = tfremat.largest_batch(model, "96MiB", x, sample_target=y, verbose=0)
     print(found)
-    found.model.fit(x, y, batch_size=found.batch, verbose=0)  # Compiled as model was.
+    data = tf.random.normal([4 * found.batch, 256])  # Four batches of the size found.
+    found.model.fit(data, tf.zeros([4 * found.batch], tf.int32), batch_size=found.batch,
+                    verbose=0)  # Compiled as model was.
 
   (docs/guide.md, "The largest batch for your memory: `largest_batch`",
   runs this example and shows what it prints.)

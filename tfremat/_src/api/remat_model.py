@@ -66,10 +66,13 @@ def remat_model(model, mode="full", output_size_threshold=1024,
       say), the parts between consecutive cuts form a chain, and the
       planner chooses which to keep, rematerialize fully or rematerialize
       under one of `policies` (`chain_units` shows the cuts). The parts
-      before the first cut and after the last are kept. The result holds a
-      byte budget at every input shape its step is traced for: at another
-      shape than the sample's it runs the plan the cost model chooses there
-      (`tfremat.planner.Plan.segments_at`), and raises when none fits.
+      before the first cut and after the last are kept. At every input
+      shape, its chain runs the first of the plan's variants predicted
+      within the budget there (`tfremat.planner.Plan.segments_at`: keeping
+      more where the shape is smaller), chosen in the step by the shape it
+      runs at once Keras traces the step for any shape, and the step raises
+      naming the shape where none is (tests/budget_shapes_test.py checks
+      this through `fit` and `train_on_batch`).
     sample_input: with `budget`, a batch like those the model trains on
       (under a `tf.distribute` strategy's scope, one replica's batch: each
       measured step runs in every replica on all of it). With

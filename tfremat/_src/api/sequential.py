@@ -62,9 +62,12 @@ def remat_sequential(layers, segments=None, budget=None, sample_input=None,
   Returns:
     A `RematSequential` layer; `.plan` holds the planner's Plan when a budget
     was given (also after saving and loading), else None; `.plan.search`
-    what it measured to choose (until saved). Called on inputs of another
-    shape than the sample's, it runs the plan the cost model chooses there
-    (`tfremat.planner.Plan.segments_at`).
+    what it measured to choose (until saved). At every input shape it runs
+    the first of the plan's variants predicted within the budget there
+    (`tfremat.planner.Plan.segments_at`), chosen in the step by the shape
+    it runs at where the step was traced for any shape, and raises where
+    none is (tests/budget_shapes_test.py checks this through Keras's
+    `fit`).
 
   Raises:
     ValueError, TypeError: bad arguments, before anything is measured.
@@ -115,10 +118,10 @@ def checked_plan(layers, budget, sample_input, costs=None, verbose=0,
   are worth rematerializing one at a time inside their reruns
   (`nest_target`: a transformer layer's attention and feed-forward layers)
   may be nested in the lowest plan, measured before a budget is refused
-  (docs/design.md, "How the planner chooses"). The layers are then profiled
-  and keeping everything measured once more on the sample cut in half (its
-  sequence, or its batch), for the plan's costs at other shapes
-  (`Plan.shapes`).
+  (docs/design.md, "How the planner chooses"). Each layer's step is also
+  traced with each axis of its input halved, for how its costs grow with
+  the shape, and the plan's variants for other shapes are measured at the
+  sample (`Plan.variants`; docs/design.md, "Every shape a step runs at").
 
   Every variable of `layers` is left as it was: measuring runs training
   steps, which move BatchNormalization statistics and advance dropout seed

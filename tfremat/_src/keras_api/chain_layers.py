@@ -163,8 +163,8 @@ class RematSequential(keras.layers.Layer):
       length), each time the step runs, by the shape it runs at: every
       variant is traced, and a `tf.switch_case` runs the chosen one. Where
       none fits, the call raises (at trace time, or as the step runs,
-      before the chain does; under XLA, which drops assertions, the lowest
-      variant runs).
+      before the chain does). Under XLA a step traced for any shape runs
+      the lowest variant, without the check (XLA drops assertions).
     policy: the save policy of rematerialized segments that name none.
     gated: each kept layer hands its input gradient on only after its
       weight gradients are computed, as a rematerialized segment does
@@ -275,10 +275,20 @@ class RematSequential(keras.layers.Layer):
     shape the step runs at (`Plan.choose_in_graph`), after its check.
     Kept layers run ungated there: gated inside a branch, they held their
     activations until the branch's whole backward pass ended."""
+    if control_flow_util.GraphOrParentsInXlaContext(
+        tf.compat.v1.get_default_graph()):
+      # XLA compiles a step for each shape, compiled a switch anew at every
+      # call, and drops assertions: the lowest variant runs, which fits
+      # wherever any does.
+      return self._run_segments(self.plan.variants[-1], self.gated, x,
+                                context, training)
     index, check = self.plan.choose_in_graph(tf.shape(x),
                                              force=self.probe.variable)
     with tf.control_dependencies([check]):
       x = tf.identity(x)
+    if len(self.plan.variants) == 1:  # A nested plan runs alone.
+      return self._run_segments(self.plan.variants[0], self.gated, x,
+                                context, training)
 
     def branch(segments):
       # Each branch reads the input in its own graph, where the saved

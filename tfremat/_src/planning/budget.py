@@ -89,7 +89,7 @@ def perturbed(chain, batch):
     if changed != [axis]:
       continue
     found.append(profile.Perturbed(axis, other.shape[axis] / x.shape[axis],
-                                   other, chain.context_of(cut)))
+                                   other, chain.context_of(cut), cut))
   return found
 
 
@@ -131,31 +131,74 @@ def plan_budget(chain, runner, batch, budget, *, policies=(), costs=None,
     plan = with_variants(plan.replace(
         shape=shape, overhead_bytes=plan.measured.peak_bytes -
         predict(plan.costs, list(plan.segments))[0]), settings)
-    plan = checked_variants(plan, runner, batch, settings)
+    plan = checked_variants(plan, chain, runner, batch, settings)
   if progress is not None:
     progress.update(progress.target, finalize=True)
   return plan
 
 
-def checked_variants(plan, runner, batch, settings):
-  """`plan` with each variant measured at the sample over
-  `settings.first_calls` steps in the program that runs it
-  (`Runner.variant_peaks`), its prediction's calibration
-  (`Plan.variants_measured`).
+def checked_variants(plan, chain, runner, batch, settings):
+  """`plan` with each variant measured where it runs: in a step traced for
+  any shape with the variants in a `tf.switch_case`
+  (`Runner.variant_peaks`), over `settings.first_calls` steps at the
+  sample and one with each axis halved (`perturbed`); and alone in a step
+  traced for the sample's shapes, as `fit` traces its first (as the search
+  measured it, or over `settings.first_calls` steps). Either program can
+  hold more.
+  The larger bound at the sample, and how the bytes beyond the cost model
+  grow over those shapes, are its prediction's calibration
+  (`Plan.variants_measured`, `Plan.variants_slopes`).
 
   Raises:
-    tfremat.errors.BudgetUnreachableError: in that program no variant
-      fits the budget at the sample.
+    tfremat.errors.BudgetUnreachableError: no variant fits the budget at
+      the sample.
   """
-  peaks = runner.variant_peaks(plan, batch, settings.first_calls)
-  plan = plan.replace(variants_measured=tuple(
-      Measured.of(p, settings.reserve) for p in peaks))
+  cuts = perturbed(chain, batch)
+  # Under XLA a step traced for any shape runs the lowest variant alone,
+  # and one of a planned model does not compile (a reshape after the chain
+  # needs a constant shape): each variant is measured alone.
+  relaxed = [] if runner.jit else runner.variant_peaks(
+      plan, [batch] + [p.batch for p in cuts], settings.first_calls)
+  static = {t.candidate.segments: t.measured for t in
+            (plan.search.trials if plan.search else ())
+            if t.candidate.ordered == plan.ordered}
+  measured, slopes = [], []
+  for i, segments in enumerate(plan.variants):
+    alone = static.get(segments) or Measured.of(runner.peaks(
+        search.Candidate(segments, plan.ordered), batch,
+        settings.first_calls), settings.reserve)
+    if runner.jit:
+      measured.append(alone)
+      slopes.append(None)
+      continue
+    measured.append(max(alone, Measured.of(relaxed[0][i], settings.reserve),
+                        key=lambda m: m.bound_bytes))
+    model = [predict([c.at(r) for c in plan.costs], list(segments))[0]
+             for r in [()] + [_ratios(p) for p in cuts]]
+    beyond = [max(peaks[i]) - m for peaks, m in zip(relaxed, model)]
+    slopes.append(_slope([1.0] + [p.ratio for p in cuts], beyond))
+  plan = plan.replace(variants_measured=tuple(measured),
+                      variants_slopes=tuple(slopes))
   plan.segments_at(plan.shape)  # Raises where none fits at the sample.
   return plan
 
 
+def _ratios(p):
+  return tuple(p.ratio if i == p.axis else 1.0 for i in range(p.axis + 1))
+
+
+def _slope(sizes, values):
+  """The slope, through (1, values[0]) and least squares through the rest,
+  of `values` over the input's `sizes` (relative to the sample's); 0 with
+  no other point."""
+  dx = [s - 1.0 for s in sizes[1:]]
+  dy = [v - values[0] for v in values[1:]]
+  spread = sum(d * d for d in dx)
+  return sum(x * y for x, y in zip(dx, dy)) / spread if spread else 0.0
+
+
 # Each axis's size over the sample's at which `with_variants` plans.
-_LADDER = (0.25, 0.5, 2.0, 4.0)
+_LADDER = (0.25, 0.5, 0.8, 1.25, 2.0, 4.0)
 
 
 def with_variants(plan, settings):
@@ -164,10 +207,13 @@ def with_variants(plan, settings):
   each axis, the fastest plan the cost model predicts within the budget
   there (aimed `settings.aim_below` under it), then the lowest plan; this
   plan's own; the fastest first, at most `settings.variants` (the fastest,
-  this plan's and the lowest kept). Its measured bound over its peak is
-  carried to every shape."""
+  this plan's and the lowest kept). A nested plan is its only variant."""
   if plan.budget.fraction == 1.0:
     return plan  # Keeping everything, at every shape.
+  if any(s.nested for s in plan.segments):
+    # Alone: in a tf.switch_case, a nested rerun's gradient captures a
+    # variable's handle, which TensorFlow's cond gradient cannot resolve.
+    return plan.replace(variants=(tuple(plan.segments),))
   n = plan.num_axes
   found = {tuple(plan.segments),
            tuple(proposals.lowest_plan(plan.costs).segments)}

@@ -146,9 +146,14 @@ class Plan:
     variants: the segments it may run, fastest first, this plan's among
       them; at each input shape, the first predicted within the budget
       there (`segments_at`). Empty: this plan's segments at every shape.
-    variants_measured: each variant's `Measured` at the sample, in the
-      program that runs it (a step traced for any shape, the variants in a
-      `tf.switch_case`): its prediction's calibration.
+    variants_measured: each variant's `Measured` at the sample, the larger
+      of a step traced for the sample's shapes and one traced for any shape
+      (the variants in a `tf.switch_case`): its prediction's calibration.
+    variants_slopes: for each variant, how the bytes its measured step
+      holds beyond the cost model grow with the input's size (bytes per
+      sample's size), measured over shapes in the step traced for any;
+      None where not measured (under XLA, which runs the lowest variant
+      there): then in proportion, never lower than at the sample.
     step: which training step was measured: "train_on_batch" (a compiled
       model's, with its loss and optimizer) or "stand-in" (the gradient of
       sum(y**2)/2 of the outputs, no optimizer); None where nothing was.
@@ -169,6 +174,7 @@ class Plan:
   overhead_bytes: int = 0
   variants: tuple = ()
   variants_measured: tuple = ()
+  variants_slopes: tuple = ()
   step: str = None
   search: object = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -183,6 +189,8 @@ class Plan:
     object.__setattr__(self, "variants", tuple(
         tuple(s if isinstance(s, Segment) else Segment(*s) for s in v)
         for v in self.variants))
+    object.__setattr__(self, "variants_slopes", tuple(
+        None if v is None else float(v) for v in self.variants_slopes))
     object.__setattr__(self, "variants_measured", tuple(
         m if isinstance(m, Measured) else Measured.from_config(m)
         for m in self.variants_measured))
@@ -263,19 +271,12 @@ class Plan:
     """The step's predicted peak under `segments` (default: this plan's)
     at every input shape, as `Rows`: the cost model on the costs' growth,
     plus what the measured step held beyond it at the sample (`_measured`),
-    which grows as the input's size and is never counted lower than at the
-    sample."""
+    growing with the input's size as measured (`variants_slopes`), or in
+    proportion and never counted lower than at the sample."""
     segments = tuple(self.segments if segments is None else segments)
     cache = self.__dict__.setdefault("_rows", {})  # Not a field.
     if segments not in cache:
-      costs = [c.symbolic(self.num_axes) for c in self.costs]
-      model = predict(costs, list(segments))[0]
-      measured = self._measured(segments)
-      over = (self.overhead_bytes if measured is None else
-              measured.peak_bytes - model.at(()))
-      overhead = growth.maximum(
-          Rows.constant(over), growth.PROPORTIONAL(self.num_axes) * over)
-      cache[segments] = model + overhead
+      cache[segments] = _rows(self, segments)
     return cache[segments]
 
   def _measured(self, segments):
@@ -376,6 +377,7 @@ class Plan:
         "variants": [[s.as_list() for s in v] for v in self.variants],
         "variants_measured": [dataclasses.asdict(m)
                               for m in self.variants_measured],
+        "variants_slopes": list(self.variants_slopes),
         "step": self.step,
     }
 
@@ -395,11 +397,28 @@ class Plan:
                variants=[[Segment(*s) for s in v]
                          for v in config.get("variants") or ()],
                variants_measured=config.get("variants_measured") or (),
+               variants_slopes=config.get("variants_slopes") or (),
                step=config.get("step"), **measured)
 
   def __str__(self):
     return "\n".join(plan_text.layer_rows(self) +
                      plan_text.summary_rows(self) + [plan_text.LEGEND])
+
+
+def _rows(plan_, segments):
+  """`Plan.rows` of `segments`, computed."""
+  costs = [c.symbolic(plan_.num_axes) for c in plan_.costs]
+  model = predict(costs, list(segments))[0]
+  measured = plan_._measured(segments)  # pylint: disable=protected-access
+  over = (plan_.overhead_bytes if measured is None else
+          measured.peak_bytes - model.at(()))
+  size = growth.PROPORTIONAL(plan_.num_axes)
+  slope = (plan_.variants_slopes[plan_.variants.index(segments)]
+           if segments in plan_.variants and plan_.variants_slopes else None)
+  if slope is not None:
+    return model + size * slope + (over - slope)
+  # Never counted lower than at the sample.
+  return model + growth.maximum(Rows.constant(over), size * over)
 
 
 def _choose_in_graph(plan_, shape, force):
@@ -418,8 +437,10 @@ def _choose_in_graph(plan_, shape, force):
   bounds = tf.stack([plan_.rows(v).in_graph(ratios) * plan_._bound_per_peak(v)
                      for v in plan_.variants])
   fits = bounds <= allowed
-  index = tf.argmax(tf.cast(fits, tf.int32), output_type=tf.int32)
   ok = tf.reduce_any(fits)
+  # Where none fits the assertion fails (XLA drops it: the lowest runs).
+  index = tf.where(ok, tf.argmax(tf.cast(fits, tf.int32),
+                                 output_type=tf.int32), len(plan_.variants) - 1)
   if force is not None:
     index = tf.where(force >= 0, force, index)
     ok = tf.logical_or(ok, force >= 0)

@@ -230,11 +230,13 @@ def measure_layer(layer, x, repeats=5, policies=(), context=None,
 @dataclasses.dataclass(frozen=True)
 class Perturbed:
   """A unit's input with one axis resized: `ratio` times the sample's size
-  along `axis`; `context`, the chain's context there."""
+  along `axis`; `context`, the chain's context there; `batch`, the batch
+  cut so (a `runner.Batch`), where known."""
   axis: int
   ratio: float
   x: object
   context: object = None
+  batch: object = None
 
 
 def _growth(layer, cost, traced, peaks, perturbed):

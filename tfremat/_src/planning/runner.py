@@ -13,10 +13,11 @@ measurement. Tests hand the searches a stand-in runner instead.
                  optimizer's update) given targets, else the stand-in step
                  of the whole model
 
-A step is traced for any size of the axes that may change between steps
-(`measure.RelaxedFunction`): the program Keras's `fit` runs once it has
-seen a second shape, which can hold more than one traced for the first
-(its static shapes let TensorFlow drop copies).
+A candidate's step is traced for the batch's shapes, as `fit` traces its
+first; a plan's variants are also run in a step traced for any size of the
+axes that may change (`variant_peaks`, `measure.RelaxedFunction`), as `fit`
+traces it once it has seen a second shape. Either can hold more than the
+other (TensorFlow drops copies at known shapes, and rewrites differently).
   InPlaceRunner  a compiled model whose layers are rematerialized where
                  they are (`remat_in_place_for_budget`): `train_on_batch`
 """
@@ -43,7 +44,7 @@ __all__ = [
     "TRAIN_ON_BATCH",
     "nbytes",
     "fit_step",
-    "relaxed_fit_step",
+    "train_step",
 ]
 
 # What `Runner.step` names.
@@ -113,10 +114,11 @@ class Runner:
   step it measures (`STAND_IN` or `TRAIN_ON_BATCH`)."""
 
   step = STAND_IN
+  jit = False  # Whether its steps are compiled by XLA.
 
   def __init__(self):
-    self._built = {}  # Candidate -> the function that runs its step.
-    self._last = {}  # Candidate -> the batch shapes it last ran on.
+    self._built = {}  # (Candidate, relaxed) -> what runs its step.
+    self._last = {}  # (Candidate, relaxed) -> the shapes it last ran on.
     # Under a tf.distribute strategy, a budget is one replica's: the
     # replicas that share the measured memory are divided out, and
     # train_on_batch takes a batch for every replica.
@@ -136,51 +138,65 @@ class Runner:
     """What training holds besides the step on `batch` (a `Held`)."""
     raise NotImplementedError
 
-  def build(self, candidate, probe=None):
-    """The function of a `Batch` that runs `candidate`'s training step (a
-    Plan's, its chain's choice of variant reading `probe`)."""
+  def build(self, candidate, probe=None, relaxed=False):
+    """The function of a `Batch` that runs `candidate`'s training step,
+    traced for the batch's shapes, or with `relaxed` for any size of the
+    axes that may change (a Plan's: its chain's choice of variant reading
+    `probe`)."""
     raise NotImplementedError
 
-  def variant_peaks(self, plan, batch, calls):
-    """Each of `plan`'s variants' peaks over `calls` steps on `batch`, in
-    the program that runs them: the plan applied, its step traced for any
-    shape (every variant in a `tf.switch_case`), each variant forced in
-    turn through the chain's `Probe`. What they train is put back."""
+  def variant_peaks(self, plan, batches, calls):
+    """Each of `plan`'s variants' peaks on each of `batches` (a list per
+    batch, of a list per variant: `calls` steps on the first batch, one on
+    each other), in a step traced once for any shape: the plan applied,
+    every variant in a `tf.switch_case`, each forced in turn through the
+    chain's `Probe`. What they train is put back."""
     probe = Probe()
     probe.variable = tf.Variable(-1, trainable=False, dtype=tf.int32)
-    step = self.build(plan, probe)
-    batch = self.step_batch(batch)
+    step = self.build(plan, probe, relaxed=True)
     found = []
     with measure.restoring(self.state()):
-      for index in range(len(plan.variants)):
-        probe.variable.assign(index)
-        found.append([p // self.replicas for p in measure.peaks(
-            step, batch, calls=calls)])
+      for i, batch in enumerate(batches):
+        batch = self.step_batch(batch)
+        found.append([])
+        for index in range(len(plan.variants)):
+          probe.variable.assign(index)
+          # The step is traced, and each variant warmed, at the first.
+          found[-1].append([p // self.replicas for p in measure.peaks(
+              step, batch, calls=calls if i == 0 else 1, warmup=i == 0)])
     return found
 
-  def _run(self, candidate):
-    if candidate not in self._built:
-      self._built[candidate] = self.build(candidate)
-    return self._built[candidate]
+  # The programs a candidate is measured in: traced for the batch's shapes
+  # (False) and, for a runner that sets it, for any shape (True).
+  programs = (False,)
 
-  def _warm_up(self, candidate, batch):
+  def _run(self, candidate, relaxed=False):
+    if (candidate, relaxed) not in self._built:
+      self._built[candidate, relaxed] = self.build(candidate, relaxed=relaxed)
+    return self._built[candidate, relaxed]
+
+  def _warm_up(self, candidate, batch, relaxed=False):
     """Calls the step once, unmeasured, where it last ran on other shapes
-    (which traces it for these: `fit_step`)."""
+    (which traces it for these, unless `relaxed`)."""
     shape = tuple(tuple(t.shape) for t in tf.nest.flatten([batch.x, batch.y])
                   if t is not None)
-    if self._last.get(candidate) != shape:
-      measure.wait_for(self._run(candidate)(batch))
-      self._last[candidate] = shape
+    if self._last.get((candidate, relaxed)) != shape:
+      measure.wait_for(self._run(candidate, relaxed)(batch))
+      self._last[candidate, relaxed] = shape
 
   def peaks(self, candidate, batch, calls):
     """Every call's peak of `calls` training steps of `candidate` on
-    `batch` (one replica's, under a strategy); what they trained is put
-    back."""
+    `batch` (one replica's, under a strategy), in a step traced for the
+    batch's shapes (the larger of that and others, per `programs`). What
+    they trained is put back."""
     batch = self.step_batch(batch)
+    found = []
     with measure.restoring(self.state()):
-      self._warm_up(candidate, batch)
-      return [p // self.replicas for p in measure.peaks(
-          self._run(candidate), batch, calls=calls, warmup=False)]
+      for relaxed in self.programs:
+        self._warm_up(candidate, batch, relaxed)
+        found.append(measure.peaks(self._run(candidate, relaxed), batch,
+                                   calls=calls, warmup=False))
+    return [max(p) // self.replicas for p in zip(*found)]
 
   def seconds(self, candidates, batch, rounds):
     """The median seconds of each candidate's step on `batch`, over
@@ -194,10 +210,10 @@ class Runner:
           repeats=rounds, warmup=False)
 
 
-def _stand_in(layer, context=None):
-  """A `Batch` -> the stand-in training step of `layer` on its inputs,
-  traced for any size of their axes (`measure.RelaxedFunction`)."""
-  step = profile.training_step(layer, context=context, relaxed=True)
+def _stand_in(layer, relaxed=False):
+  """A `Batch` -> the stand-in training step of `layer` on its inputs
+  (`relaxed`: traced for any size of their axes)."""
+  step = profile.training_step(layer, relaxed=relaxed)
   return lambda batch: step(batch.x)
 
 
@@ -215,8 +231,9 @@ class ChainRunner(Runner):
     return Held(weights_bytes=nbytes([l.variables for l in self.layers]),
                 batch_bytes=batch.nbytes)
 
-  def build(self, candidate, probe=None):
-    return _stand_in(apply.apply_plan(self.layers, candidate, probe=probe))
+  def build(self, candidate, probe=None, relaxed=False):
+    return _stand_in(apply.apply_plan(self.layers, candidate, probe=probe),
+                     relaxed)
 
 
 def fit_step(model, batch):
@@ -234,16 +251,17 @@ def fit_step(model, batch):
   return model.train_on_batch(batch.x, batch.y)
 
 
-def relaxed_fit_step(model):
-  """A `Batch` -> the compiled `model`'s training step, the `train_step` its
-  `fit` and `train_on_batch` run, traced once for any size of the batch's
-  axes that may change (`measure.RelaxedFunction`): the program `fit` runs
-  once it has seen a second shape, which can hold more than the one
-  traced for the first. Under a `tf.distribute` strategy, `fit_step`."""
+def train_step(model, relaxed=False):
+  """A `Batch` -> the compiled `model`'s training step: the `train_step` its
+  `fit` and `train_on_batch` run, as a `tf.function` traced for each
+  batch's shapes, or with `relaxed` once for any size of the axes that may
+  change (`measure.RelaxedFunction`). Under a `tf.distribute` strategy,
+  `fit_step`, Keras's own."""
   if tf.distribute.has_strategy():
     return functools.partial(fit_step, model)
-  step = measure.RelaxedFunction(lambda x, y: model.train_step((x, y, None)),
-                                 jit_compile=model.jit_compile is True)
+  step = (measure.RelaxedFunction if relaxed else tf.function)(
+      lambda x, y: model.train_step((x, y, None)),
+      jit_compile=model.jit_compile is True)
 
   def run(batch):
     # pylint: disable-next=protected-access
@@ -289,6 +307,7 @@ class ModelRunner(Runner):
     super().__init__()
     self.model, self.chain, self.units, self.fit = model, chain, units, fit
     self.step = TRAIN_ON_BATCH if fit else STAND_IN
+    self.jit = fit and model.jit_compile is True
 
   def state(self):
     return _state(self.model) if self.fit else list(self.model.variables)
@@ -299,13 +318,13 @@ class ModelRunner(Runner):
   def step_batch(self, batch):
     return _global(batch, self.in_sync) if self.fit else batch
 
-  def build(self, candidate, probe=None):
+  def build(self, candidate, probe=None, relaxed=False):
     planned = apply.apply_plan(self.units, candidate, chain=self.chain,
                                name=f"{self.model.name}_chain", probe=probe)
     if not self.fit:
-      return _stand_in(planned)
+      return _stand_in(planned, relaxed)
     apply.compiled_like(planned, self.model)
-    return relaxed_fit_step(planned)
+    return train_step(planned, relaxed)
 
 
 class InPlaceRunner(Runner):
@@ -328,8 +347,8 @@ class InPlaceRunner(Runner):
   def step_batch(self, batch):
     return _global(batch, self.in_sync)
 
-  def build(self, candidate, probe=None):
-    del probe  # Rematerialized in place: one plan, no variants.
+  def build(self, candidate, probe=None, relaxed=False):
+    del probe, relaxed  # Rematerialized in place: one plan, no variants.
 
     def run(batch):
       if self._current != candidate:

@@ -109,7 +109,7 @@ class Settings:
   try_ordered: bool = True
   batch_probes: int = 6
   near_batch: float = 0.04
-  variants: int = 4
+  variants: int = 3
 
   def __post_init__(self):
     fractions = ("reserve", "aim_below", "faster_by", "use_at_least",
