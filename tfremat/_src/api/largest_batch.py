@@ -1,9 +1,8 @@
 """The largest batch whose training fits a memory size, and the model to
 train at it: `tfremat.largest_batch`.
 
-The memory counts everything training holds: the weights, the optimizer's
-state (for a compiled model given targets), the batch, and the training
-step's own tensors, as `torch.cuda.max_memory_allocated` counts them. The
+The memory counts the weights, the optimizer's state (for a compiled model
+given targets), the batch, and the step's own tensors. The
 cost model, scaled by measurements at the sample's batch (every layer
 rematerialized; the nested plan by its own, as the cost model counts
 nesting as not nested), predicts the largest batch each way fits: every
@@ -151,9 +150,8 @@ def largest_batch(model, memory, sample_input, *, sample_target=None,
 
     found = tfremat.largest_batch(model, "96MiB", x, sample_target=y, verbose=0)
     print(found)
-    data = tf.random.normal([4 * found.batch, 256])  # Four batches of the size found.
-    found.model.fit(data, tf.zeros([4 * found.batch], tf.int32), batch_size=found.batch,
-                    verbose=0)  # Compiled as model was.
+    data = tf.random.normal([4 * found.batch, 256]), tf.zeros([4 * found.batch], tf.int32)
+    found.model.fit(*data, batch_size=found.batch, verbose=0)  # Compiled as model was.
 
   (docs/guide.md, "The largest batch for your memory: `largest_batch`",
   runs this example and shows what it prints.)

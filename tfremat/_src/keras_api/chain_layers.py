@@ -286,7 +286,7 @@ class RematSequential(keras.layers.Layer):
                                              force=self.probe.variable)
     with tf.control_dependencies([check]):
       x = tf.identity(x)
-    if len(self.plan.variants) == 1:  # A nested plan runs alone.
+    if len(self.plan.variants) == 1:  # A nested or ordered plan.
       return self._run_segments(self.plan.variants[0], self.gated, x,
                                 context, training)
 

@@ -207,12 +207,14 @@ def with_variants(plan, settings):
   each axis, the fastest plan the cost model predicts within the budget
   there (aimed `settings.aim_below` under it), then the lowest plan; this
   plan's own; the fastest first, at most `settings.variants` (the fastest,
-  this plan's and the lowest kept). A nested plan is its only variant."""
+  this plan's and the lowest kept). A nested or ordered plan is its only
+  variant."""
   if plan.budget.fraction == 1.0:
     return plan  # Keeping everything, at every shape.
-  if any(s.nested for s in plan.segments):
-    # Alone: in a tf.switch_case, a nested rerun's gradient captures a
-    # variable's handle, which TensorFlow's cond gradient cannot resolve.
+  if plan.ordered or any(s.nested for s in plan.segments):
+    # Alone: in a tf.switch_case, the gradient of a nested rerun, or of an
+    # ordered chain's tf.gradients, captures a variable's handle, which
+    # TensorFlow's cond gradient cannot resolve.
     return plan.replace(variants=(tuple(plan.segments),))
   n = plan.num_axes
   found = {tuple(plan.segments),
