@@ -547,8 +547,8 @@ class StandInRunner:
     del batch
     return planner.Held(weights_bytes=self.held_bytes)
 
-  def peaks(self, candidate, batch, calls):
-    del batch
+  def peaks(self, candidate, batch, calls, every_program=False):
+    del batch, every_program
     if candidate not in self._peaks:
       self.measured.append(candidate)
       value = self.measure(candidate)

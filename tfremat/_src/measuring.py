@@ -184,7 +184,12 @@ def fit_peaks(model, data, **fit_kwargs):
 
   with _Allocations(device) as recorded:
     model.fit(data, callbacks=[Windows()], **fit_kwargs)
-  return recorded.peaks
+    # Over data of unknown length, Keras begins a step that finds the data
+    # ended, and does not end it: that window is no step's.
+    unfinished = len(windows)
+    for window in windows:
+      window.__exit__(None, None, None)
+  return recorded.peaks[:len(recorded.peaks) - unfinished]
 
 
 def held_bytes(fn, *args, **kwargs):

@@ -176,7 +176,9 @@ class RematSequential(keras.layers.Layer):
       a step's peak moves with thread timing (up to 1.7x on a chain of
       six small Dense layers) and with the number of inter-op threads.
       Chains the planner chose for a budget are gated, as it measured
-      them (docs/design.md, "Budgets that hold").
+      them (docs/design.md, "Budgets that hold"). In a step traced with an
+      unknown dimension kept layers run ungated: there gating held
+      activations longer (docs/design.md, "Every shape a step runs at").
     ordered: in a `tf.function` (not XLA, and not with one inter-op
       thread, whose executor keeps one order by itself), run the chain's
       forward and backward ops in the order they are built (`_ordered`), so
@@ -267,28 +269,33 @@ class RematSequential(keras.layers.Layer):
         shape is not None and None in shape[:self.plan.num_axes]):
       return self._chosen_as_it_runs(x, context, training)
     segments = self.segments_for(x)
-    return self._run_segments(segments, self.gated, x, context, training)
+    # Kept layers gated where the step is traced for known shapes; where a
+    # dimension is unknown, as in a variant's branch (below), not.
+    gated = self.gated and (shape is None or None not in shape or
+                            tf.executing_eagerly())
+    return self._run_segments(segments, gated, x, context, training)
 
   def _chosen_as_it_runs(self, x, context, training):
     """The chain in a graph traced for any size of some axis: each variant
     traced in a branch of a `tf.switch_case` on the plan's choice at the
     shape the step runs at (`Plan.choose_in_graph`), after its check.
-    Kept layers run ungated there: gated inside a branch, they held their
-    activations until the branch's whole backward pass ended."""
+    Kept layers run ungated there, as in any step traced for an unknown
+    dimension: gated inside a branch, they held their activations until
+    the branch's whole backward pass ended."""
     if control_flow_util.GraphOrParentsInXlaContext(
         tf.compat.v1.get_default_graph()):
       # XLA compiles a step for each shape, compiled a switch anew at every
       # call, and drops assertions: the lowest variant runs, which fits
       # wherever any does.
-      return self._run_segments(self.plan.variants[-1], self.gated, x,
-                                context, training)
+      return self._run_segments(self.plan.variants[-1], False, x, context,
+                                training)
     index, check = self.plan.choose_in_graph(tf.shape(x),
                                              force=self.probe.variable)
     with tf.control_dependencies([check]):
       x = tf.identity(x)
     if len(self.plan.variants) == 1:  # A nested or ordered plan.
-      return self._run_segments(self.plan.variants[0], self.gated, x,
-                                context, training)
+      return self._run_segments(self.plan.variants[0], False, x, context,
+                                training)
 
     def branch(segments):
       # Each branch reads the input in its own graph, where the saved

@@ -166,7 +166,7 @@ def checked_variants(plan, chain, runner, batch, settings):
   for i, segments in enumerate(plan.variants):
     alone = static.get(segments) or Measured.of(runner.peaks(
         search.Candidate(segments, plan.ordered), batch,
-        settings.first_calls), settings.reserve)
+        settings.first_calls, every_program=True), settings.reserve)
     if runner.jit:
       measured.append(alone)
       slopes.append(None)
@@ -254,11 +254,11 @@ class _Counted:
   def held(self, batch):
     return self._runner.held(batch)
 
-  def peaks(self, candidate, batch, calls):
+  def peaks(self, candidate, batch, calls, every_program=False):
     if self._progress is not None and candidate != self._last:
       self._progress.add(1)
     self._last = candidate
-    return self._runner.peaks(candidate, batch, calls)
+    return self._runner.peaks(candidate, batch, calls, every_program)
 
 
 def _built_variables(chain, batch):

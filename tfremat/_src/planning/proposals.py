@@ -117,7 +117,7 @@ def _round(costs, trials, step_bytes, settings):
     chosen = lowest_plan(costs)
     why = f"round {len(rounds) + 1}: the lowest plan predicted"
   candidate = Candidate(chosen.segments)
-  if candidate in {t.candidate for t in rounds}:
+  if candidate in {t.candidate for t in trials}:
     return None  # Converged: this target gives a plan already measured.
   fitting = [t for t in rounds if t.measured.bound_bytes <= step_bytes]
   fastest = min((predict(costs, list(t.candidate.segments))[1]

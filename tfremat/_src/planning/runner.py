@@ -166,8 +166,8 @@ class Runner:
               step, batch, calls=calls if i == 0 else 1, warmup=i == 0)])
     return found
 
-  # The programs a candidate is measured in: traced for the batch's shapes
-  # (False) and, for a runner that sets it, for any shape (True).
+  # The programs a candidate's check measures: traced for the batch's
+  # shapes (False) and, for a runner that sets it, for any shape (True).
   programs = (False,)
 
   def _run(self, candidate, relaxed=False):
@@ -184,15 +184,15 @@ class Runner:
       measure.wait_for(self._run(candidate, relaxed)(batch))
       self._last[candidate, relaxed] = shape
 
-  def peaks(self, candidate, batch, calls):
+  def peaks(self, candidate, batch, calls, every_program=False):
     """Every call's peak of `calls` training steps of `candidate` on
     `batch` (one replica's, under a strategy), in a step traced for the
-    batch's shapes (the larger of that and others, per `programs`). What
-    they trained is put back."""
+    batch's shapes; with `every_program`, each call's larger of that and
+    the other `programs`. What they trained is put back."""
     batch = self.step_batch(batch)
     found = []
     with measure.restoring(self.state()):
-      for relaxed in self.programs:
+      for relaxed in self.programs if every_program else (False,):
         self._warm_up(candidate, batch, relaxed)
         found.append(measure.peaks(self._run(candidate, relaxed), batch,
                                    calls=calls, warmup=False))
@@ -223,6 +223,8 @@ class ChainRunner(Runner):
   def __init__(self, layers):
     super().__init__()
     self.layers = layers
+    if not tf.distribute.has_strategy():
+      self.programs = (False, True)
 
   def state(self):
     return [v for l in self.layers for v in l.variables]
@@ -308,6 +310,8 @@ class ModelRunner(Runner):
     self.model, self.chain, self.units, self.fit = model, chain, units, fit
     self.step = TRAIN_ON_BATCH if fit else STAND_IN
     self.jit = fit and model.jit_compile is True
+    if not tf.distribute.has_strategy() and not self.jit:
+      self.programs = (False, True)
 
   def state(self):
     return _state(self.model) if self.fit else list(self.model.variables)

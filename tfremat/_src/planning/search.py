@@ -234,8 +234,10 @@ def checked_peaks(runner, candidate, batch, limit_bytes, settings, done=(),
   `largest_batch`: `settings.first_calls` training steps of `candidate` on
   `batch`, then, where their bound is within `limit_bytes` (or there is no
   limit), up to `settings.check_calls` (not with `probe`: a search's probe
-  stops at the first calls). `done`: peaks already measured there, which
-  count. Returns every peak."""
+  stops at the first calls). Those in a step traced for the batch's
+  shapes, the rest in every program that runs it (each call's larger of
+  that and one traced for any shape: `Runner.programs`). `done`: peaks
+  already measured there, which count. Returns every peak."""
   calls = settings.check_calls
   peaks = list(done)
   first = min(settings.first_calls, calls)
@@ -245,7 +247,8 @@ def checked_peaks(runner, candidate, batch, limit_bytes, settings, done=(),
     return peaks
   if limit_bytes is None or Measured.of(
       peaks, settings.reserve).bound_bytes <= limit_bytes:
-    peaks += runner.peaks(candidate, batch, calls - len(peaks))
+    peaks += runner.peaks(candidate, batch, calls - len(peaks),
+                          every_program=True)
   return peaks
 
 
