@@ -181,17 +181,22 @@ def test_a_fraction_is_of_keeping_everything_at_each_length():
 
 
 def test_an_mlp_planned_at_one_batch_holds_its_budget_at_others():
-  # Planned at batch 256; trained at 512 and over a dataset whose last
-  # batch is partial (fit then traces its step for any batch size).
+  # Planned at batch 256; trained with fit over a dataset of batches of 128
+  # whose last batch is partial (its batch dimension is unknown, so fit
+  # traces its step for any number of rows), then at 512, which runs that
+  # step. At 90% of keeping everything at 256, 512 needs the lowest plan,
+  # which fits it by 9% measured, 6% predicted (26a62b3 raised there). (At
+  # 80% the lowest plan fits 512 by 1% measured and is predicted not to:
+  # the step raises.)
   model = _mlp()
   x, y = _rows(256)
-  budget = _budget(model, x, y, 0.8)
+  budget = _budget(model, x, y, 0.9)
   planned = tfremat.remat_model(model, budget=budget, sample_input=x,
                                 sample_target=y, verbose=0)
-  total = _step_total(planned, *_rows(512))
-  assert total is not None and total <= budget, (total, budget)
-  data = tf.data.Dataset.from_tensor_slices(_rows(1000)).batch(256)
-  planned.fit(data, epochs=1, verbose=0)  # Its last batch has 232 rows.
+  data = tf.data.Dataset.from_tensor_slices(_rows(1000)).batch(128)
+  planned.fit(data, epochs=1, verbose=0)  # Its last batch has 104 rows.
   peak = measure.peak_bytes(lambda: planned.fit(data, epochs=1, verbose=0),
                             calls=1, warmup=False)
-  assert _held(planned, [x, y]) + peak <= budget
+  assert _held(planned, [x, y]) + peak <= budget, (peak, budget)
+  total = _step_total(planned, *_rows(512))
+  assert total is not None and total <= budget, (total, budget)

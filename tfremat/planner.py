@@ -7,10 +7,13 @@
   costs = tfremat.chain.measure_chain(blocks, sample_input)
   plan = tfremat.planner.plan(costs, budget_bytes=200 * 2**20)  # model only
 
-A budget bounds what `tfremat.measure.peak_bytes` measures: the largest
-total size of the tensors a training step (forward, loss, backward) has
-allocated and not yet freed. Weights and the input batch are not counted;
-activations, temporaries and weight gradients are.
+A budget in bytes bounds what training holds besides the step (`Held`:
+the weights, the optimizer's state, the batch) plus the step's peak, what
+`tfremat.measure.peak_bytes` measures: the largest total size of the
+tensors a training step (forward, loss, backward) has allocated and not
+yet freed. A fraction is of that peak keeping everything. A plan also
+carries what it runs at other input shapes (`Plan.variants`,
+`Plan.segments_at`).
 
 A plan splits the chain into consecutive segments, each either kept (its
 layers' activations are stored for the backward pass) or rematerialized (only

@@ -58,13 +58,14 @@ class Chain:
     return None if self.context is None else self.context(batch.x)
 
 
-def profiled(chain, batch, policies, settings, progress=None):
+def profiled(chain, batch, policies, settings, progress=None, cuts=None):
   """The chain's LayerCosts on `batch` (`profile.measure_chain`), with how
-  they grow with its shape (`perturbed`)."""
+  they grow with its shape (`cuts`: `perturbed`, if already made)."""
   return profile.measure_chain(
       chain.units, chain.input_of(batch), policies=policies,
       waiting_fraction=settings.waiting_fraction, progress=progress,
-      context=chain.context_of(batch), perturbed=perturbed(chain, batch))
+      context=chain.context_of(batch),
+      perturbed=perturbed(chain, batch) if cuts is None else cuts)
 
 
 def perturbed(chain, batch):
@@ -120,9 +121,10 @@ def plan_budget(chain, runner, batch, budget, *, policies=(), costs=None,
   steps = (len(units) if costs is None else 0) + 1 + settings.rounds + 3
   progress = measure.progress_bar(steps, "measurement", verbose)
   with retracing_quiet(), measure.restoring(_built_variables(chain, batch)):
+    cuts = perturbed(chain, batch)
     plan = search.choose_plan(
         (lambda: costs) if costs is not None else
-        (lambda: profiled(chain, batch, policies, settings, progress)),
+        (lambda: profiled(chain, batch, policies, settings, progress, cuts)),
         budget, _Counted(runner, progress), batch, settings=settings,
         nestable=[in_place.can_nest(nest_target(u)) for u in units],
         floor_bytes=nbytes([u.trainable_weights for u in units]),
@@ -131,17 +133,18 @@ def plan_budget(chain, runner, batch, budget, *, policies=(), costs=None,
     plan = with_variants(plan.replace(
         shape=shape, overhead_bytes=plan.measured.peak_bytes -
         predict(plan.costs, list(plan.segments))[0]), settings)
-    plan = checked_variants(plan, chain, runner, batch, settings)
+    plan = checked_variants(plan, cuts, runner, batch, settings)
   if progress is not None:
     progress.update(progress.target, finalize=True)
   return plan
 
 
-def checked_variants(plan, chain, runner, batch, settings):
+def checked_variants(plan, cuts, runner, batch, settings):
   """`plan` with each variant measured where it runs: in a step traced for
   any shape with the variants in a `tf.switch_case`
   (`Runner.variant_peaks`), over `settings.first_calls` steps at the
-  sample and one with each axis halved (`perturbed`); and alone in a step
+  sample and one at each of `cuts` (`perturbed`: each axis halved); and
+  alone in a step
   traced for the sample's shapes, as `fit` traces its first (as the search
   measured it, or over `settings.first_calls` steps). Either program can
   hold more.
@@ -153,18 +156,17 @@ def checked_variants(plan, chain, runner, batch, settings):
     tfremat.errors.BudgetUnreachableError: no variant fits the budget at
       the sample.
   """
-  cuts = perturbed(chain, batch)
   # Under XLA a step traced for any shape runs the lowest variant alone,
   # and one of a planned model does not compile (a reshape after the chain
   # needs a constant shape): each variant is measured alone.
   relaxed = [] if runner.jit else runner.variant_peaks(
       plan, [batch] + [p.batch for p in cuts], settings.first_calls)
-  static = {t.candidate.segments: t.measured for t in
-            (plan.search.trials if plan.search else ())
-            if t.candidate.ordered == plan.ordered}
+  searched = {t.candidate.segments: t.measured for t in
+              (plan.search.trials if plan.search else ())
+              if t.candidate.ordered == plan.ordered}
   measured, slopes = [], []
   for i, segments in enumerate(plan.variants):
-    alone = static.get(segments) or Measured.of(runner.peaks(
+    alone = searched.get(segments) or Measured.of(runner.peaks(
         search.Candidate(segments, plan.ordered), batch,
         settings.first_calls, every_program=True), settings.reserve)
     if runner.jit:
@@ -174,27 +176,14 @@ def checked_variants(plan, chain, runner, batch, settings):
     measured.append(max(alone, Measured.of(relaxed[0][i], settings.reserve),
                         key=lambda m: m.bound_bytes))
     model = [predict([c.at(r) for c in plan.costs], list(segments))[0]
-             for r in [()] + [_ratios(p) for p in cuts]]
+             for r in [()] + [p.ratios for p in cuts]]
     beyond = [max(peaks[i]) - m for peaks, m in zip(relaxed, model)]
-    slopes.append(_slope([1.0] + [p.ratio for p in cuts], beyond))
+    slopes.append(growth.slope(1.0, beyond[0], [p.ratio for p in cuts],
+                               beyond[1:]))
   plan = plan.replace(variants_measured=tuple(measured),
                       variants_slopes=tuple(slopes))
   plan.segments_at(plan.shape)  # Raises where none fits at the sample.
   return plan
-
-
-def _ratios(p):
-  return tuple(p.ratio if i == p.axis else 1.0 for i in range(p.axis + 1))
-
-
-def _slope(sizes, values):
-  """The slope, through (1, values[0]) and least squares through the rest,
-  of `values` over the input's `sizes` (relative to the sample's); 0 with
-  no other point."""
-  dx = [s - 1.0 for s in sizes[1:]]
-  dy = [v - values[0] for v in values[1:]]
-  spread = sum(d * d for d in dx)
-  return sum(x * y for x, y in zip(dx, dy)) / spread if spread else 0.0
 
 
 # Each axis's size over the sample's at which `with_variants` plans.
@@ -224,13 +213,14 @@ def with_variants(plan, settings):
       ratios = tuple(factor if i == axis else 1.0 for i in range(n))
       shape = tuple(max(1, round(d * r)) for d, r in
                     zip(plan.shape, ratios)) + plan.shape[n:]
+      costs = [c.at(ratios) for c in plan.costs]
+      # The room for the chain's tensors: what the budget leaves the bound
+      # there, less what the step holds beyond the cost model.
       target = (plan.allowed_at(shape) * (1 - settings.aim_below) *
                 plan.measured.peak_bytes / plan.measured.bound_bytes -
                 plan.predicted_peak_at(shape) +
-                predict([c.at(ratios) for c in plan.costs],
-                        list(plan.segments))[0])
-      segments = cost_model.fastest([c.at(ratios) for c in plan.costs],
-                                    target)
+                predict(costs, list(plan.segments))[0])
+      segments = cost_model.fastest(costs, target)
       if segments is not None:
         found.add(tuple(segments))
   ordered = sorted(found, key=lambda v: predict(plan.costs, list(v))[1])

@@ -238,6 +238,12 @@ class Perturbed:
   context: object = None
   batch: object = None
 
+  @property
+  def ratios(self):
+    """Each axis's size over the sample's, up to this one's."""
+    return tuple(self.ratio if i == self.axis else 1.0
+                 for i in range(self.axis + 1))
+
 
 def _growth(layer, cost, traced, peaks, perturbed):
   """`LayerCost.growth` of `layer` from its step `traced` at the sample and
@@ -259,7 +265,7 @@ def _growth(layer, cost, traced, peaks, perturbed):
     graphs.append((p.axis, p.ratio, found["graph"]))
   terms = growth.tensor_terms(traced["graph"], graphs)
   live = growth.step_growth(traced, terms)
-  ratios = [_ratios(p) for p in perturbed]
+  ratios = [p.ratios for p in perturbed]
 
   def term(tensor, value):
     return growth.Rows.monomial(terms.get(tensor.name, (0, ()))[1], value)
@@ -283,25 +289,17 @@ def _growth(layer, cost, traced, peaks, perturbed):
   }
 
 
-def _ratios(p):
-  ratios = [1.0] * (p.axis + 1)
-  ratios[p.axis] = p.ratio
-  return tuple(ratios)
-
-
 def _fitted(rows, measured, ratios, others):
   """`a * rows + c` through `measured` at the sample and, least squares,
   through `others` at `ratios`: a measured peak grows as the step's live
   bytes, with what the graph does not show (kernels' scratch, rewrites) in
   `a` and `c`."""
   base = rows.at(())
-  dx = [rows.at(r) - base for r in ratios]
-  dy = [m - measured for m in others]
-  spread = sum(d * d for d in dx)
-  if spread <= 0:
-    a = measured / base if base > 0 else 0.0
+  live = [rows.at(r) for r in ratios]
+  if any(v != base for v in live):
+    a = max(0.0, growth.slope(base, measured, live, others))
   else:
-    a = max(0.0, sum(x * y for x, y in zip(dx, dy)) / spread)
+    a = measured / base if base > 0 else 0.0
   return rows * a + (measured - a * base)
 
 
