@@ -208,3 +208,30 @@ def test_an_mlp_planned_at_one_batch_holds_its_budget_at_others():
   assert _held(planned, [x, y]) + peak <= budget, (peak, budget)
   total = _step_total(planned, *_rows(512))
   assert total is not None and total <= budget, (total, budget)
+
+
+@pytest.mark.slow
+def test_a_gpt2_backbone_planned_at_one_length_trains_at_others():
+  # Its plan's variants, in a tf.switch_case, do not trace for any length:
+  # under a save policy, a TransformerDecoder's rerun in a branch builds
+  # other ops than its forward pass (RerunMismatchError). The sample's
+  # segments then run alone at every length (planning raised a TypeError).
+  pytest.importorskip("keras_hub")
+  from tfremat import models  # pylint: disable=g-import-not-at-top
+  model = models.hub_backbone("GPT2Backbone")
+  model.compile(optimizer="adam", loss="mse")
+
+  def batch(length):
+    tokens = tf.random.stateless_uniform(
+        [8, length], seed=[1, 2], dtype=tf.int32,
+        maxval=models.HUB_SIZES["vocabulary_size"])
+    return ({"token_ids": tokens, "padding_mask": tf.ones_like(tokens)},
+            tf.zeros([8, length, models.HUB_SIZES["hidden_dim"]]))
+
+  planned = tfremat.remat_model(model, budget="60%", sample_input=batch(64)[0],
+                                sample_target=batch(64)[1], verbose=0)
+  # Traced for any length from 32 on: each step runs, or raises naming a
+  # length the plan does not fit (`_step_total` checks which).
+  ran = [length for length in (64, 32, 96)
+         if _step_total(planned, *batch(length)) is not None]
+  assert 64 in ran, ran

@@ -440,6 +440,8 @@ class RelaxedFunction:
       try:
         traced.get_concrete_function(*signature)
         return traced
+      except errors.Error:
+        raise  # tfremat's own, such as a rerun that differs: not a shape.
       except (ValueError, TypeError):
         continue
     return tf.function(self._fn, jit_compile=self._jit_compile)

@@ -159,8 +159,17 @@ def checked_variants(plan, cuts, runner, batch, settings):
   # Under XLA a step traced for any shape runs the lowest variant alone,
   # and one of a planned model does not compile (a reshape after the chain
   # needs a constant shape): each variant is measured alone.
-  relaxed = [] if runner.jit else runner.variant_peaks(
-      plan, [batch] + [p.batch for p in cuts], settings.first_calls)
+  batches = [batch] + [p.batch for p in cuts]
+  try:
+    relaxed = [] if runner.jit else runner.variant_peaks(
+        plan, batches, settings.first_calls)
+  except errors.RerunMismatchError:
+    # In a tf.switch_case a rerun under a save policy built other ops than
+    # its forward pass (KerasHub's TransformerDecoder, whose causal mask is
+    # made from the sequence's length): the sample's segments run alone at
+    # every shape, as a nested plan's do.
+    plan = plan.replace(variants=(tuple(plan.segments),))
+    relaxed = runner.variant_peaks(plan, batches, settings.first_calls)
   searched = {t.candidate.segments: t.measured for t in
               (plan.search.trials if plan.search else ())
               if t.candidate.ordered == plan.ordered}
