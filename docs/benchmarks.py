@@ -126,11 +126,12 @@ def _machine():
 
 
 def _replace(text, marker, body):
-  pattern = re.compile(rf"(<!-- {marker} -->\n).*?(\n<!-- end {marker.split()[0]} -->)",
-                       re.S)
+  # The block's old lines, if any (an empty block ends at its own marker).
+  end = f"<!-- end {marker.split()[0]} -->"
+  pattern = re.compile(rf"(<!-- {marker} -->\n)(?:(?!{end}).*\n)*({end})")
   if not pattern.search(text):
     raise SystemExit(f"docs/benchmarks.md has no <!-- {marker} --> block")
-  return pattern.sub(lambda m: m.group(1) + body + m.group(2), text)
+  return pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
 
 
 def main(names):

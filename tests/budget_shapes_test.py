@@ -235,3 +235,28 @@ def test_a_gpt2_backbone_planned_at_one_length_trains_at_others():
   ran = [length for length in (64, 32, 96)
          if _step_total(planned, *batch(length)) is not None]
   assert 64 in ran, ran
+
+
+def test_a_cnn_built_for_one_image_size_is_planned_and_trained():
+  # A functional CNN whose input has a fixed image size (as
+  # keras.applications builds them by default): its chain's parts take
+  # that size only, so only the batch may change (planning halved the
+  # image and failed in a part's input check).
+  keras.utils.set_random_seed(0)
+  images = keras.Input((32, 32, 3))
+  h = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(images)
+  for _ in range(3):
+    f = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(h)
+    h = keras.layers.Add()([h, keras.layers.Conv2D(16, 1)(f)])
+  h = keras.layers.GlobalAveragePooling2D()(h)
+  model = keras.Model(images, keras.layers.Dense(10)(h))
+  model.compile(optimizer="adam",
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True))
+  x = tf.random.stateless_normal([16, 32, 32, 3], seed=[1, 2])
+  y = tf.zeros([16], tf.int32)
+  planned = tfremat.remat_model(model, budget="80%", sample_input=x,
+                                sample_target=y, verbose=0)
+  assert planned_chain(planned).plan.shape[1:3] == (32, 32)
+  for size in (16, 8):  # The second traces for any batch size.
+    planned.train_on_batch(x[:size], y[:size])

@@ -77,6 +77,8 @@ def perturbed(chain, batch):
   x = tf.convert_to_tensor(chain.input_of(batch))
   found = []
   for axis, size in growth.perturbed_sizes(tuple(x.shape)):
+    if _fixed(chain.units, axis):
+      continue
     try:
       cut = (batch.resized(size) if axis == 0 else
              batch.cut(axis, max(1, _first_length(batch, axis) // 2)))
@@ -92,6 +94,22 @@ def perturbed(chain, batch):
     found.append(profile.Perturbed(axis, other.shape[axis] / x.shape[axis],
                                    other, chain.context_of(cut), cut))
   return found
+
+
+def _fixed(units, axis):
+  """Whether a unit of the chain takes inputs of one size along `axis` (a
+  functional part of a CNN built for 224x224 images, say)."""
+  for unit in units:
+    unit = getattr(unit, "unit", unit)  # A ContextUnit's.
+    try:
+      inputs = tf.nest.flatten(getattr(unit, "inputs", None) or [])
+    except (AttributeError, ValueError):  # A model never called.
+      inputs = []
+    for t in inputs:
+      shape = getattr(t, "shape", None)
+      if shape is not None and len(shape) > axis and shape[axis] is not None:
+        return True
+  return False
 
 
 def _first_length(batch, axis):
