@@ -138,8 +138,9 @@ class _Step:
       state = 0
     self.held_bytes = nbytes(list(layer.variables)) + state + batch.nbytes
 
-  def peaks(self, candidate, batch, calls):
-    del candidate, batch
+  def peaks(self, candidate, batch, calls, every_program=False):
+    # One program: the step traced for this batch.
+    del candidate, batch, every_program
     found = measure.peaks(self.run, calls=calls, warmup=not self._warm)
     self._warm = True
     return found
