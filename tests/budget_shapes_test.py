@@ -210,6 +210,36 @@ def test_an_mlp_planned_at_one_batch_holds_its_budget_at_others():
   assert total is not None and total <= budget, (total, budget)
 
 
+def test_a_fraction_lets_a_much_smaller_batch_run_within_the_samples_bytes():
+  # Planned at 50% on 4096 rows of six features, then batches of 4 and 5
+  # (fit's partial last batch, a replica's share). There the weights'
+  # gradients are most of the step: no plan can save half of keeping
+  # everything, and each plan's bound carries its measured spread. The
+  # step runs the lowest plan, far within the bytes the fraction allowed at
+  # the sample (before, it raised: at trace time, then as the step ran).
+  keras.utils.set_random_seed(0)
+  x = inputs = keras.Input((6,))
+  for _ in range(4):
+    h = keras.layers.Dense(64, activation="gelu")(x)
+    x = x + keras.layers.Dense(6)(keras.layers.LayerNormalization()(h))
+  model = keras.Model(inputs, keras.layers.Dense(1)(x))
+  model.compile(optimizer="sgd", loss="mse")
+
+  def rows(size):
+    return (tf.random.stateless_normal([size, 6], seed=[1, size]),
+            tf.random.stateless_normal([size, 1], seed=[2, size]))
+
+  planned = tfremat.remat_model(model, budget="50%", sample_input=rows(4096)[0],
+                                sample_target=rows(4096)[1], verbose=0)
+  plan = planned_chain(planned).plan
+  allowed = 0.5 * plan.measured_keep.peak_bytes
+  assert plan.segments_at((4, 6)) == plan.variants[-1]
+  assert plan.predicted_bound_at((4, 6), plan.variants[-1]) <= allowed
+  for size in (4, 5):  # Traced for 4 rows, then for any number.
+    peak = measure.peak_bytes(planned.train_on_batch, *rows(size), calls=2)
+    assert peak <= allowed, (size, peak, allowed)
+
+
 @pytest.mark.slow
 def test_a_gpt2_backbone_planned_at_one_length_trains_at_others():
   # Its plan's variants, in a tf.switch_case, do not trace for any length:

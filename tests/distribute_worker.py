@@ -39,6 +39,8 @@ BUDGET = "90%"
 # trained in the process that planned them.
 SETTINGS = tfremat.planner.Settings(reserve=0.0)
 WIDE_BLOCKS = 4
+# The rows fit_budget plans on and measures at, in every replica.
+PER_REPLICA_ROWS = GLOBAL_BATCH * 256 // 2
 STEPS = 2
 X = np.random.RandomState(0).randn(GLOBAL_BATCH * STEPS, 6).astype("float32")
 Y = np.random.RandomState(1).randn(GLOBAL_BATCH * STEPS, 1).astype("float32")
@@ -107,7 +109,7 @@ def fit_training(strategy, wrap, mode=None, hidden=8, blocks=2,
       # the same wide rows: the budget is one replica's.
       model.compile(optimizer=keras.optimizers.SGD(learning_rate),
                     loss="mse")
-      per_replica = GLOBAL_BATCH * 256 // strategy.num_replicas_in_sync
+      per_replica = PER_REPLICA_ROWS
       model = tfremat.remat_model(model, budget=BUDGET, verbose=0,
                                   sample_input=np.tile(X, [256, 1])[
                                       :per_replica],
@@ -122,12 +124,13 @@ def fit_training(strategy, wrap, mode=None, hidden=8, blocks=2,
   return model
 
 
-def per_replica_peaks(strategy, model, calls=20):
-  """One replica's peaks of `calls` steps of `model.train_on_batch` on a
-  global batch of the planning's rows: the measured total over the
-  replicas that share the CPU's memory (every one here)."""
-  x, y = np.tile(X, [256, 1])[:GLOBAL_BATCH * 256], np.tile(
-      Y, [256, 1])[:GLOBAL_BATCH * 256]
+def per_replica_peaks(strategy, model, rows, calls=20):
+  """One replica's peaks of `calls` steps of `model.train_on_batch` on
+  `rows` of the planning's rows: the measured total over the replicas that
+  share the CPU's memory (every one here), each of which runs the step on
+  all the rows train_on_batch is given (the chain's input has `rows` rows
+  in every replica)."""
+  x, y = np.tile(X, [256, 1])[:rows], np.tile(Y, [256, 1])[:rows]
   with strategy.scope():
     return [p // strategy.num_replicas_in_sync for p in tfremat.measure.peaks(
         model.train_on_batch, tf.constant(x), tf.constant(y), calls=calls)]
@@ -183,8 +186,13 @@ def main(scenario, out):
         "remat_model_budget_reference"]
     plan = next(l for l in fitted.layers
                 if isinstance(l, tfremat.RematSequential)).plan
+    # At the rows it was planned on: each replica's peak is measured, not
+    # predicted (a fraction at twice the rows is a prediction, and the
+    # bounds of plans measured beside another replica carry spreads of up
+    # to 30%: in CI no plan was predicted within 90% at 2048 rows).
     results["fit_budget_peaks"] = [np.array(
-        [max(per_replica_peaks(strategy, fitted)), plan.step_budget_bytes,
+        [max(per_replica_peaks(strategy, fitted, PER_REPLICA_ROWS)),
+         plan.step_budget_bytes,
          plan.search.keep.measured.peak_bytes])]
   elif strategy.cluster_resolver.task_id != 0:
     return  # Worker 0 reports for both.

@@ -60,7 +60,9 @@ def remat_model(model, mode="full", output_size_threshold=1024,
       "6GiB") count everything training holds, the weights, the
       optimizer's state (with `sample_target`) and the batch, and the
       training step's own tensors; a fraction (0.5, "50%") is of the step's
-      own measured peak keeping everything, beyond what is held. The model
+      own peak keeping everything, beyond what is held, at each shape
+      (where no plan reaches it, as at a batch of a few rows, the lowest
+      plan runs if it fits the fraction's bytes at the sample). The model
       is cut at the tensors every path from its inputs to its outputs
       passes through (the residual stream between transformer blocks,
       say), the parts between consecutive cuts form a chain, and the

@@ -317,6 +317,17 @@ class Plan:
     return self.budget_bytes - held
 
   @property
+  def fraction_bytes(self):
+    """A fraction budget's bytes at the sample (the fraction of keeping
+    everything's peak there), or None. Where no plan reaches the fraction
+    at a shape (a batch so small that weight gradients are most of the
+    step), the lowest plan runs if its bound is within these bytes."""
+    if self.budget is None or self.budget.fraction is None:
+      return None
+    return self.budget.fraction * self.rows(
+        keep_all(len(self.costs))).at(self.ratios(self.shape))
+
+  @property
   def chooses(self):
     """Whether the plan chooses its segments by the input's shape."""
     return bool(self.variants) and self.measured is not None and (
@@ -333,7 +344,9 @@ class Plan:
     an unknown dimension: the sample's): the first of `variants` whose
     predicted bound (`predicted_bound_at`) fits what the budget leaves
     there (`allowed_at`), with no new measurement. At the sample's shape
-    that is the fastest variant measured to fit.
+    that is the fastest variant measured to fit. Under a fraction budget,
+    where none reaches the fraction, the lowest if it fits the fraction's
+    bytes at the sample (`fraction_bytes`).
 
     Raises:
       tfremat.errors.BudgetUnreachableError: none is predicted to fit at
@@ -347,6 +360,10 @@ class Plan:
     for segments in self.variants:
       if self.predicted_bound_at(shape, segments) <= allowed:
         return segments
+    lowest = self.variants[-1]
+    if (self.fraction_bytes is not None and
+        self.predicted_bound_at(shape, lowest) <= self.fraction_bytes):
+      return lowest
     raise _unreachable(self, shape)
 
   def choose_in_graph(self, shape, force=None):
@@ -437,10 +454,14 @@ def _choose_in_graph(plan_, shape, force):
   bounds = tf.stack([plan_.rows(v).in_graph(ratios) * plan_._bound_per_peak(v)
                      for v in plan_.variants])
   fits = bounds <= allowed
+  # Where none fits, the lowest runs; the assertion fails unless it fits a
+  # fraction's bytes at the sample (XLA drops assertions).
+  index = tf.where(tf.reduce_any(fits),
+                   tf.argmax(tf.cast(fits, tf.int32), output_type=tf.int32),
+                   len(plan_.variants) - 1)
   ok = tf.reduce_any(fits)
-  # Where none fits the assertion fails (XLA drops it: the lowest runs).
-  index = tf.where(ok, tf.argmax(tf.cast(fits, tf.int32),
-                                 output_type=tf.int32), len(plan_.variants) - 1)
+  if plan_.fraction_bytes is not None:
+    ok = tf.logical_or(ok, bounds[-1] <= plan_.fraction_bytes)
   if force is not None:
     index = tf.where(force >= 0, force, index)
     ok = tf.logical_or(ok, force >= 0)
@@ -460,7 +481,9 @@ def _unreachable(plan_, shape):
   mib = units.format_bytes
   lowest = int(plan_.predicted_bound_at(shape, plan_.variants[-1]))
   if plan_.budget.fraction is not None:
-    where = "the budget is a fraction of keeping everything's peak there"
+    where = ("the budget is a fraction of keeping everything's peak there "
+             f"(or, for the lowest plan, {mib(int(plan_.fraction_bytes))}, "
+             "that fraction at the sample)")
   else:
     held = (plan_.held.rows(plan_.num_axes).at(plan_.ratios(shape))
             if plan_.held else 0)
