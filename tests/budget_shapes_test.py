@@ -13,6 +13,7 @@ import tensorflow as tf
 import tfremat
 from tfremat import measure
 from tfremat._src.api import remat_model as remat_model_lib
+from tfremat._src.planning import budget as budget_lib
 from tfremat._src.planning.runner import Batch
 from tfremat._src.planning.search import Candidate
 from conftest import planned_chain
@@ -265,6 +266,23 @@ def test_a_gpt2_backbone_planned_at_one_length_trains_at_others():
   ran = [length for length in (64, 32, 96)
          if _step_total(planned, *batch(length)) is not None]
   assert 64 in ran, ran
+
+
+def test_a_group_of_layers_built_on_the_sample_fixes_no_axis():
+  # The chain groups runs of single layers into a keras.Sequential, whose
+  # first call (on the sample) builds it for that shape: that fixes no
+  # size (it runs at any), so every axis is still perturbed to measure
+  # growth. A functional part built for one image size fixes those axes.
+  # (Every axis counted as fixed, so no growth was measured: a MobileNetV2
+  # over images of any size was predicted from its sample alone.)
+  group = keras.Sequential([keras.layers.Conv2D(4, 3, padding="same"),
+                            keras.layers.ReLU()])
+  group(tf.zeros([8, 32, 32, 3]))
+  images = keras.Input((32, 32, 3))
+  part = keras.Model(images, keras.layers.Conv2D(4, 3)(images))
+  assert not any(budget_lib._fixed([group], axis) for axis in range(4))
+  assert budget_lib._fixed([group, part], 1)
+  assert not budget_lib._fixed([group, part], 0)
 
 
 def test_a_cnn_built_for_one_image_size_is_planned_and_trained():

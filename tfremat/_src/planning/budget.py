@@ -10,6 +10,7 @@ runner and the batch; `apply.apply_plan` then turns the plan into layers.
 import contextlib
 import dataclasses
 
+import keras
 import tensorflow as tf
 
 from tfremat import errors
@@ -101,6 +102,12 @@ def _fixed(units, axis):
   functional part of a CNN built for 224x224 images, say)."""
   for unit in units:
     unit = getattr(unit, "unit", unit)  # A ContextUnit's.
+    if isinstance(unit, keras.Sequential):
+      # A group of layers (`model_chain`'s), built on the sample's shape
+      # by its first call, which fixes nothing: its layers may.
+      if _fixed(unit.layers, axis):
+        return True
+      continue
     try:
       inputs = tf.nest.flatten(getattr(unit, "inputs", None) or [])
     except (AttributeError, ValueError):  # A model never called.
