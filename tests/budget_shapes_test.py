@@ -218,6 +218,7 @@ def test_a_fraction_lets_a_much_smaller_batch_run_within_the_samples_bytes():
   # everything, and each plan's bound carries its measured spread. The
   # step runs the lowest plan, far within the bytes the fraction allowed at
   # the sample (before, it raised: at trace time, then as the step ran).
+  # (Where the measured spreads are narrow, another plan may reach it.)
   keras.utils.set_random_seed(0)
   x = inputs = keras.Input((6,))
   for _ in range(4):
@@ -234,8 +235,8 @@ def test_a_fraction_lets_a_much_smaller_batch_run_within_the_samples_bytes():
                                 sample_target=rows(4096)[1], verbose=0)
   plan = planned_chain(planned).plan
   allowed = 0.5 * plan.measured_keep.peak_bytes
-  assert plan.segments_at((4, 6)) == plan.variants[-1]
-  assert plan.predicted_bound_at((4, 6), plan.variants[-1]) <= allowed
+  chosen = plan.segments_at((4, 6))  # Raised here.
+  assert plan.predicted_bound_at((4, 6), chosen) <= allowed
   for size in (4, 5):  # Traced for 4 rows, then for any number.
     peak = measure.peak_bytes(planned.train_on_batch, *rows(size), calls=2)
     assert peak <= allowed, (size, peak, allowed)

@@ -231,8 +231,10 @@ def family_rows(families=FAMILIES, log=print):
 def _chain_shape(plan, sample, shape):
   """The planned chain's input shape for a batch of `shape` (batch, then
   sequence or image size), from its shape on the `sample`'s: each axis in
-  proportion."""
+  proportion, an image's height and width both by its size."""
+  axes = [[0], [1, 2] if len(plan.shape) == 4 else [1]]
   sizes = list(plan.shape)
-  for i, (d, s) in enumerate(zip(shape, sample)):
-    sizes[i] = round(plan.shape[i] * d / s)
+  for each, d, s in zip(axes, shape, sample):
+    for i in each:
+      sizes[i] = round(plan.shape[i] * d / s)
   return tuple(sizes)
