@@ -51,7 +51,7 @@ TABLES = {
     "max_batch": (_BENCH + ["--max_batch", "512MiB", "--max_batch_models",
                             "transformer,GPT2Backbone", "--steps", "5"], {},
                   ROOT),
-    "shapes": (_BENCH + ["--shapes", "192MiB"], {}, ROOT),
+    "shapes": (_BENCH + ["--shapes", "208MiB"], {}, ROOT),
     "shape_families": (_BENCH + ["--shape_families"], {}, ROOT),
     "cnn_onednn": (_CNN_PEAKS, {"TF_ENABLE_ONEDNN_OPTS": "1"}, ROOT / "tests"),
     "cnn_eigen": (_CNN_PEAKS, {"TF_ENABLE_ONEDNN_OPTS": "0"}, ROOT / "tests"),
