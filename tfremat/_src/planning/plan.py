@@ -317,17 +317,6 @@ class Plan:
     return self.budget_bytes - held
 
   @property
-  def fraction_bytes(self):
-    """A fraction budget's bytes at the sample (the fraction of keeping
-    everything's peak there), or None. Where no plan reaches the fraction
-    at a shape (a batch so small that weight gradients are most of the
-    step), the lowest plan runs if its bound is within these bytes."""
-    if self.budget is None or self.budget.fraction is None:
-      return None
-    return self.budget.fraction * self.rows(
-        keep_all(len(self.costs))).at(self.ratios(self.shape))
-
-  @property
   def chooses(self):
     """Whether the plan chooses its segments by the input's shape."""
     return bool(self.variants) and self.measured is not None and (
@@ -344,9 +333,8 @@ class Plan:
     an unknown dimension: the sample's): the first of `variants` whose
     predicted bound (`predicted_bound_at`) fits what the budget leaves
     there (`allowed_at`), with no new measurement. At the sample's shape
-    that is the fastest variant measured to fit. Under a fraction budget,
-    where none reaches the fraction, the lowest if it fits the fraction's
-    bytes at the sample (`fraction_bytes`).
+    that is the fastest variant measured to fit; under a fraction, where
+    none reaches it, the lowest if it fits `_fraction_bytes`.
 
     Raises:
       tfremat.errors.BudgetUnreachableError: none is predicted to fit at
@@ -360,10 +348,9 @@ class Plan:
     for segments in self.variants:
       if self.predicted_bound_at(shape, segments) <= allowed:
         return segments
-    lowest = self.variants[-1]
-    if (self.fraction_bytes is not None and
-        self.predicted_bound_at(shape, lowest) <= self.fraction_bytes):
-      return lowest
+    if self.predicted_bound_at(shape, self.variants[-1]) <= _fraction_bytes(
+        self):
+      return self.variants[-1]
     raise _unreachable(self, shape)
 
   def choose_in_graph(self, shape, force=None):
@@ -438,6 +425,17 @@ def _rows(plan_, segments):
   return model + growth.maximum(Rows.constant(over), size * over)
 
 
+def _fraction_bytes(plan_):
+  """A fraction budget's bytes at the sample (the fraction of keeping
+  everything's predicted peak there), else -1. Where no plan reaches the
+  fraction at a shape (a batch so small that weight gradients are most of
+  the step), the lowest runs if its bound is within these bytes."""
+  if plan_.budget.fraction is None:
+    return -1.0
+  return plan_.budget.fraction * plan_.rows(
+      keep_all(len(plan_.costs))).at(plan_.ratios(plan_.shape))
+
+
 def _choose_in_graph(plan_, shape, force):
   """`Plan.choose_in_graph`."""
   n = plan_.num_axes
@@ -459,9 +457,7 @@ def _choose_in_graph(plan_, shape, force):
   index = tf.where(tf.reduce_any(fits),
                    tf.argmax(tf.cast(fits, tf.int32), output_type=tf.int32),
                    len(plan_.variants) - 1)
-  ok = tf.reduce_any(fits)
-  if plan_.fraction_bytes is not None:
-    ok = tf.logical_or(ok, bounds[-1] <= plan_.fraction_bytes)
+  ok = tf.logical_or(tf.reduce_any(fits), bounds[-1] <= _fraction_bytes(plan_))
   if force is not None:
     index = tf.where(force >= 0, force, index)
     ok = tf.logical_or(ok, force >= 0)
@@ -482,7 +478,7 @@ def _unreachable(plan_, shape):
   lowest = int(plan_.predicted_bound_at(shape, plan_.variants[-1]))
   if plan_.budget.fraction is not None:
     where = ("the budget is a fraction of keeping everything's peak there "
-             f"(or, for the lowest plan, {mib(int(plan_.fraction_bytes))}, "
+             f"(or, for the lowest plan, {mib(int(_fraction_bytes(plan_)))}, "
              "that fraction at the sample)")
   else:
     held = (plan_.held.rows(plan_.num_axes).at(plan_.ratios(shape))
