@@ -334,7 +334,9 @@ class Plan:
     predicted bound (`predicted_bound_at`) fits what the budget leaves
     there (`allowed_at`), with no new measurement. At the sample's shape
     that is the fastest variant measured to fit; under a fraction, where
-    none reaches it, the lowest if it fits `_fraction_bytes`.
+    none reaches it, the lowest if it fits what the fraction allows at the
+    sample (at a batch of a few rows, weight gradients are most of the
+    step and no plan saves that fraction).
 
     Raises:
       tfremat.errors.BudgetUnreachableError: none is predicted to fit at
@@ -348,8 +350,8 @@ class Plan:
     for segments in self.variants:
       if self.predicted_bound_at(shape, segments) <= allowed:
         return segments
-    if self.predicted_bound_at(shape, self.variants[-1]) <= _fraction_bytes(
-        self):
+    if (self.budget.fraction is not None and self.predicted_bound_at(
+        shape, self.variants[-1]) <= self.allowed_at(self.shape)):
       return self.variants[-1]
     raise _unreachable(self, shape)
 
@@ -425,17 +427,6 @@ def _rows(plan_, segments):
   return model + growth.maximum(Rows.constant(over), size * over)
 
 
-def _fraction_bytes(plan_):
-  """A fraction budget's bytes at the sample (the fraction of keeping
-  everything's predicted peak there), else -1. Where no plan reaches the
-  fraction at a shape (a batch so small that weight gradients are most of
-  the step), the lowest runs if its bound is within these bytes."""
-  if plan_.budget.fraction is None:
-    return -1.0
-  return plan_.budget.fraction * plan_.rows(
-      keep_all(len(plan_.costs))).at(plan_.ratios(plan_.shape))
-
-
 def _choose_in_graph(plan_, shape, force):
   """`Plan.choose_in_graph`."""
   n = plan_.num_axes
@@ -454,10 +445,11 @@ def _choose_in_graph(plan_, shape, force):
   fits = bounds <= allowed
   # Where none fits, the lowest runs; the assertion fails unless it fits a
   # fraction's bytes at the sample (XLA drops assertions).
-  index = tf.where(tf.reduce_any(fits),
-                   tf.argmax(tf.cast(fits, tf.int32), output_type=tf.int32),
-                   len(plan_.variants) - 1)
-  ok = tf.logical_or(tf.reduce_any(fits), bounds[-1] <= _fraction_bytes(plan_))
+  ok = tf.reduce_any(fits)
+  index = tf.where(ok, tf.argmax(tf.cast(fits, tf.int32),
+                                 output_type=tf.int32), len(plan_.variants) - 1)
+  if plan_.budget.fraction is not None:
+    ok = tf.logical_or(ok, bounds[-1] <= plan_.allowed_at(plan_.shape))
   if force is not None:
     index = tf.where(force >= 0, force, index)
     ok = tf.logical_or(ok, force >= 0)
@@ -478,8 +470,9 @@ def _unreachable(plan_, shape):
   lowest = int(plan_.predicted_bound_at(shape, plan_.variants[-1]))
   if plan_.budget.fraction is not None:
     where = ("the budget is a fraction of keeping everything's peak there "
-             f"(or, for the lowest plan, {mib(int(_fraction_bytes(plan_)))}, "
-             "that fraction at the sample)")
+             "(or, for the lowest plan, "
+             f"{mib(int(plan_.allowed_at(plan_.shape)))}, that fraction at "
+             "the sample)")
   else:
     held = (plan_.held.rows(plan_.num_axes).at(plan_.ratios(shape))
             if plan_.held else 0)
