@@ -4,6 +4,7 @@
   peak = tfremat.measure.peak_bytes(step, x, y)
   print(tfremat.measure.format_bytes(peak))         # e.g. "79.0 MiB"
   saved = 1 - peak_with_remat / peak_without_remat  # what remat saved
+  ahead = tfremat.measure.predict_peak(step, tf.TensorSpec([4096, 512]), y)
 
 A step's peak is the largest total size of the tensors it has allocated and
 not yet freed, at any moment of one call: their requested sizes, as
@@ -21,6 +22,12 @@ depends on what the process did before. `step_peaks` gives both, and the
 benchmark reports the allocator's overhead over the tensors' bytes
 (docs/design.md, "What a budget bounds"). `fit_peaks` measures every step
 of a `model.fit` call.
+
+`predict_peak` gives the figure `peak_bytes` would measure without running
+the step: read from XLA's buffer assignment when the step compiles with XLA
+(to the byte on the steps tested), from the traced graph's tensors and
+their lifetimes on TensorFlow's executor. It takes shapes that would not fit
+in memory.
 
 It measures the first GPU when there is one, else the CPU. On the CPU the
 allocator's records reach the profiler from TensorFlow's BFC allocator only,
@@ -44,10 +51,12 @@ from tfremat._src.measuring import restoring
 from tfremat._src.measuring import seconds
 from tfremat._src.measuring import step_peaks
 from tfremat._src.measuring import wait_for
+from tfremat._src.predicting import predict_peak
 
 __all__ = [
     "memory_device",
     "peak_bytes",
+    "predict_peak",
     "peaks",
     "step_peaks",
     "fit_peaks",

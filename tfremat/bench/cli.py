@@ -1,7 +1,7 @@
 """The bench's command line: its flags, and one mode per run, each handing
 the flags' values to the functions that measure (`methods`, `schemes`,
-`whole`, `max_batch`, `shapes`) and printing their tables as soon as they
-are measured. `python -m tfremat.bench` runs `main`."""
+`whole`, `max_batch`, `shapes`, `predict`) and printing their tables as
+soon as they are measured. `python -m tfremat.bench` runs `main`."""
 
 from absl import app
 from absl import flags
@@ -15,6 +15,7 @@ from tfremat import policies
 from tfremat.bench import max_batch
 from tfremat.bench import methods as methods_lib
 from tfremat.bench import plot
+from tfremat.bench import predict
 from tfremat.bench import schemes
 from tfremat.bench import shapes
 from tfremat.bench import tables
@@ -85,6 +86,8 @@ def define_flags():
                     "Plan four kinds of model at 60% on a sample, and set "
                     "each one's predicted peak at three other shapes beside "
                     "the peaks measured there.")
+  flags.DEFINE_bool("predict", False, "The four families' steps: "
+                    "measure.predict_peak beside peak_bytes.")
   flags.DEFINE_string("csv", "sweep.csv", "Where --sweep writes its CSV.")
   flags.DEFINE_string("plot", "sweep.png",
                       "Where --sweep draws its plot (needs matplotlib: "
@@ -256,6 +259,13 @@ def _run_shape_families():
   print(tables.FAMILY_LEGEND)
 
 
+def _run_predict():
+  """--predict: predict_peak beside peak_bytes over the four families."""
+  print(tables.environment())
+  rows = predict.predict_rows(log=lambda line: print(line, flush=True))
+  print(predict.format_table(rows))
+
+
 def _run_methods():
   """The default: every method block by block, on one model."""
   methods = [m for m in methods_lib.METHODS if m in FLAGS.methods]
@@ -300,7 +310,7 @@ def parse_flags(argv):
 
 def main(argv):
   """Runs the one mode the flags name: --max_batch, --shapes,
-  --shape_families, --whole_models, --sweep or --budget-fraction, else the
+  --shape_families, --predict, --whole_models, --sweep or --budget-fraction, else the
   methods table."""
   del argv
   if FLAGS.eager and FLAGS.jit:
@@ -313,7 +323,7 @@ def main(argv):
   modes = [name for name, given in (
       ("--max_batch", FLAGS.max_batch), ("--shapes", FLAGS.shapes),
       ("--shape_families", FLAGS.shape_families),
-      ("--whole_models", FLAGS.whole_models)) if given]
+      ("--predict", FLAGS.predict), ("--whole_models", FLAGS.whole_models)) if given]
   if len(modes) > 1:
     raise app.UsageError(f"{' and '.join(modes)} are separate runs: give "
                          "one.")
@@ -323,6 +333,8 @@ def main(argv):
     _run_shapes()
   elif FLAGS.shape_families:
     _run_shape_families()
+  elif FLAGS.predict:
+    _run_predict()
   elif FLAGS.whole_models:
     _run_whole_models()
   elif FLAGS.sweep or FLAGS.budget_fraction is not None:
