@@ -78,27 +78,27 @@ def predict_rows(families=shapes.FAMILIES, modes=MODES, jit=(False, True),
 
 
 def format_table(rows):
-  """A markdown table of `rows`, and a line per program: how many rows
-  land within its bound, and the lowest and highest error."""
-  mib = lambda b: f"{b / 2**20:.2f}"
-  lines = ["| model | shape | kept | XLA | predicted MiB | measured MiB | "
-           "error | seconds |", "|---|---|---|---|---:|---:|---:|---:|"]
+  """A table of `rows` (MiB), then a line per program: how many rows land
+  within its bound, the lowest and highest error, the seconds."""
+  lines = [f"{'model':<15} {'shape':<8} {'kept':<6} {'XLA':<4} "
+           f"{'predicted':>10} {'measured':>10} {'error':>8} {'seconds':>8}",
+           "-" * 74]
   for r in rows:
     lines.append(
-        f"| {r.model} | {'x'.join(map(str, r.shape))} | {r.mode} | "
-        f"{'yes' if r.jit_compile else 'no'} | {mib(r.predicted_bytes)} | "
-        f"{mib(r.measured_bytes)} | {r.error:+.2%} | {r.seconds:.1f} |")
-  lines.append("")
+        f"{r.model:<15} {'x'.join(map(str, r.shape)):<8} {r.mode:<6} "
+        f"{'yes' if r.jit_compile else 'no':<4} "
+        f"{r.predicted_bytes / 2**20:>10.2f} {r.measured_bytes / 2**20:>10.2f}"
+        f" {r.error:>+8.2%} {r.seconds:>8.1f}")
   for jit_compile, bound in ((True, 0.01), (False, 0.10)):
     these = [r for r in rows if r.jit_compile == jit_compile]
-    if not these:
-      continue
-    within = sum(-bound <= r.error <= bound for r in these)
-    errors_ = [r.error for r in these]
-    lines.append(
-        f"{'XLA' if jit_compile else 'executor'}: {within} of {len(these)} "
-        f"within {bound:.0%}, errors {min(errors_):+.2%} to "
-        f"{max(errors_):+.2%}; a prediction took "
-        f"{min(r.seconds for r in these):.1f}-"
-        f"{max(r.seconds for r in these):.1f} s")
+    if these:
+      errors_ = [r.error for r in these]
+      lines.append(
+          f"{'under XLA' if jit_compile else 'on the executor'} "
+          f"{sum(-bound <= e <= bound for e in errors_)} of {len(these)} "
+          f"within {bound:.0%} (errors {min(errors_):+.2%} to "
+          f"{max(errors_):+.2%}), {sum(e < -0.05 for e in errors_)} more "
+          f"than 5% below, predictions "
+          f"{min(r.seconds for r in these):.1f}-"
+          f"{max(r.seconds for r in these):.1f} s")
   return "\n".join(lines)
