@@ -66,16 +66,25 @@ def test_under_xla_it_sees_the_rerun_inside_the_gradient():
   assert remat < kept - 4 * 2**20, (remat, kept)
 
 
+@pytest.mark.parametrize("remat", [False, True], ids=["kept", "remat"])
 @pytest.mark.parametrize("jit_compile", [False, True], ids=["executor",
                                                              "xla"])
-def test_keras_train_on_batch_is_predicted_as_compiled(jit_compile):
-  model = _mlp(remat=True)
+def test_keras_train_on_batch_is_predicted_as_compiled(jit_compile, remat):
+  model = _mlp(remat=remat)
   model.compile(optimizer="adam", loss="mse", jit_compile=jit_compile)
   x, y = _batch(512)
   predicted = measure.predict_peak(model.train_on_batch, x, y)
   measured = measure.peak_bytes(model.train_on_batch, x, y, calls=_CALLS)
-  low, high = (0.99, 1.01) if jit_compile else (0.95, 1.10)
-  assert low <= predicted / measured <= high, (predicted, measured)
+  if jit_compile:
+    assert 0.99 <= predicted / measured <= 1.01, (predicted, measured)
+  elif not remat:
+    assert 0.95 <= predicted / measured <= 1.10, (predicted, measured)
+  else:
+    # The executor applies each weight's update as its gradient arrives;
+    # the prediction holds every weight gradient until the optimizer runs
+    # (docs/design.md, "A peak read from the program"): +13% here on a
+    # loaded machine, and never below.
+    assert 0.95 <= predicted / measured <= 1.30, (predicted, measured)
 
 
 def test_keras_auto_jit_compile_follows_what_keras_resolves():
