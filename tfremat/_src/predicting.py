@@ -142,8 +142,9 @@ def _keras_step(model, x, y=None, sample_weight=None, class_weight=None,
         "The model runs eagerly (run_eagerly=True): its step is no program "
         "to read. Compile it with run_eagerly=False to predict its peak.")
   if class_weight is not None:
-    from keras.src.trainers import data_adapters  # pylint: disable=g-import-not-at-top
-    sample_weight = data_adapters.data_adapter_utils.class_weight_to_sample_weights(
+    # pylint: disable-next=g-import-not-at-top
+    from keras.src.trainers.data_adapters import data_adapter_utils
+    sample_weight = data_adapter_utils.class_weight_to_sample_weights(
         y, class_weight)
   data = (x, y, sample_weight)
   build = getattr(model, "_maybe_symbolic_build", None) or getattr(
@@ -179,8 +180,10 @@ def _keras_function(model):
 
 
 def _spec_or_value(value):
+  """A one-row tensor in place of a spec: building needs its shape alone,
+  and the spec's batch may not fit in memory."""
   if isinstance(value, tf.TensorSpec):
-    return tf.zeros([d or 1 for d in value.shape], value.dtype)
+    return tf.zeros([1] + [d or 1 for d in value.shape[1:]], value.dtype)
   return value
 
 
