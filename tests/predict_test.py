@@ -80,11 +80,10 @@ def test_keras_train_on_batch_is_predicted_as_compiled(jit_compile, remat):
   elif not remat:
     assert 0.95 <= predicted / measured <= 1.10, (predicted, measured)
   else:
-    # The executor applies each weight's update as its gradient arrives;
-    # the prediction holds every weight gradient until the optimizer runs
-    # (docs/design.md, "A peak read from the program"): +13% here on a
-    # loaded machine, and never below.
-    assert 0.95 <= predicted / measured <= 1.30, (predicted, measured)
+    # A rematerialized step's measured peak moves by up to 21% over its 10
+    # calls here (which of the executor's threads reaches a rerun first);
+    # the prediction simulates one timing of them: -6% of the largest.
+    assert 0.90 <= predicted / measured <= 1.10, (predicted, measured)
 
 
 def test_keras_auto_jit_compile_follows_what_keras_resolves():

@@ -13,19 +13,24 @@ its errors."""
 import collections
 import dataclasses
 import heapq
+import os
 
 import numpy as np
 import tensorflow as tf
 
 from tfremat import errors
 
-__all__ = ["predict_peak", "Step", "step_of", "EXECUTOR_LANES"]
+__all__ = ["predict_peak", "Step", "step_of", "executor_lanes"]
 
-# How many of a graph's ops the executor prediction lets run at once: the
-# executor runs independent ops on its inter-op threads, so that the outputs
-# of two ops can be allocated before either's inputs are freed
-# (docs/design.md, "A peak read from the program").
-EXECUTOR_LANES = 2
+
+def executor_lanes():
+  """How many ops the executor runs at once: one on each of its inter-op
+  threads (as many as the machine's cores unless set), and one on the
+  thread that called the step (docs/design.md, "A peak read from the
+  program")."""
+  threads = tf.config.threading.get_inter_op_parallelism_threads()
+  return (threads or os.cpu_count() or 1) + 1
+
 
 # Grappler folds an op whose inputs are all constants into a constant of up
 # to this many bytes before the graph runs (its constant folding's limit):
@@ -46,11 +51,13 @@ def predict_peak(step, *args, **kwargs):
   resolves to True, as `"auto"` does on a machine with a GPU) the figure is
   XLA's buffer assignment for the compiled step: the bytes it allocates
   beside its arguments, which is what `peak_bytes` measures, to the byte on
-  the steps tested. On the executor the figure is the tensors live over the
-  graph's ops in the order they were built, with up to `EXECUTOR_LANES`
-  independent ops running at once (the executor's threads overlap them): a
-  bound the executor's peak is near, not a measurement of one call, which
-  moves with thread timing (docs/design.md, "A peak read from the
+  the steps tested. On the executor the figure is the tensors live while
+  the graph's ops run as the executor runs them, simulated: ops start when
+  their inputs are ready, `executor_lanes()` at once (its inter-op threads
+  and the caller's), each for a time of the bytes it reads and writes. The
+  executor's threads order independent ops differently from call to call,
+  so the measured peak itself moves; the figure is near its largest, not a
+  measurement of one call (docs/design.md, "A peak read from the
   program").
 
   Args:
@@ -259,7 +266,7 @@ def _executor_peak(step):
   graph = concrete.graph
   program = _Program.of(graph)
   held = {t.name for t in graph.outputs}
-  return _Schedule(program, held, EXECUTOR_LANES).peak()
+  return _Schedule(program, held, executor_lanes()).peak()
 
 
 # Ops whose outputs are no new buffer of the step's: an input, a constant, a
@@ -283,6 +290,11 @@ _FORWARDING = frozenset([
     "SquaredDifference", "Abs", "Sign", "Floor", "Ceil", "Round", "BiasAdd",
     "LeakyRelu", "LeakyReluGrad", "Select", "SelectV2", "AddN", "Pow",
     "Cast"])
+# Kernels that write another output than their first into an input's
+# buffer: softmax cross-entropy's gradient (its second output) into the
+# logits.
+_FORWARDED_OUTPUT = {"SparseSoftmaxCrossEntropyWithLogits": 1,
+                     "SoftmaxCrossEntropyWithLogits": 1}
 _CALLS = frozenset(["PartitionedCall", "StatefulPartitionedCall"])
 _BRANCHES = {"If": ("then_branch", "else_branch"),
              "StatelessIf": ("then_branch", "else_branch"),
@@ -352,6 +364,14 @@ class _Program:
                              [(name(t), 0, mapping.get(out.name,
                                                         inner + out.name))],
                              after), op.name, prefix)
+        continue
+      if op.type == "IdentityN":
+        # Grappler removes the barrier: each output waits for its input
+        # alone (Keras passes every gradient through one IdentityN).
+        for t, source in zip(op.outputs, op.inputs):
+          self._append(_Node("Identity", [name(source)],
+                             [(name(t), 0, name(source))], after),
+                       op.name, prefix)
         continue
       if _is_folded(op, folded):
         folded.add(op.name)
@@ -432,17 +452,19 @@ def _branch_peak(graph, op):
     outer = {p.name: f"^outer/{p.name}" for p in body.inputs}
     program = _Program.of(body, outer, prefix=f"{op.name}/")
     held = {outer.get(t.name, f"{op.name}/{t.name}") for t in body.outputs}
-    peaks.append(_Schedule(program, held, EXECUTOR_LANES).peak())
+    peaks.append(_Schedule(program, held, executor_lanes()).peak())
   return max(peaks, default=0)
 
 
 class _Schedule:
-  """Live bytes over a program's ops, as the executor runs them: in rounds,
-  each the earliest-built ready op and, until `lanes` ops that allocate are
-  in it, the next earliest ready ones (ops that allocate nothing join any
-  round). A round's outputs are allocated before any of its inputs are
-  freed; a tensor is freed after its last reader, or at once if nothing
-  reads it, but for those `held` (the call's outputs), which stay."""
+  """Live bytes over a program's ops as the executor runs them, simulated:
+  `lanes` threads each run one op at a time, taking the ready op that
+  became ready first (what the thread that readied it runs next, first);
+  ops that allocate nothing run at once. An op's outputs are allocated when
+  it starts and its inputs freed when it ends, after a time of the bytes
+  it reads and writes (the executor's kernels are mostly memory-bound). A
+  tensor is freed after its last reader, or at once if nothing reads it,
+  but for those `held` (the call's outputs), which stay."""
 
   def __init__(self, program, held, lanes):
     self.program = program
@@ -452,45 +474,75 @@ class _Schedule:
         k for node in program.nodes for k in node.inputs)
     self.buffer_of, self.size, self.refs = {}, {}, collections.Counter()
     self.live = 0
-
-  def peak(self):
-    nodes = self.program.nodes
-    deps = self.program.dependencies()
-    waiting = [len(d) for d in deps]
-    users = [[] for _ in nodes]
+    deps = program.dependencies()
+    self._waiting = [len(d) for d in deps]
+    self._users = [[] for _ in deps]
     for i, d in enumerate(deps):
       for j in d:
-        users[j].append(i)
-    ready = [i for i, w in enumerate(waiting) if not w]
-    heapq.heapify(ready)
-    top = 0
-    while ready:
-      round_ = [heapq.heappop(ready)]
-      while ready and sum(self._allocates(nodes[i]) for i in round_
-                          ) < self.lanes:
-        round_.append(heapq.heappop(ready))
-      for i in round_:
+        self._users[j].append(i)
+
+  def peak(self):
+    """The largest live bytes; call once."""
+    nodes = self.program.nodes
+    ready = collections.deque(i for i, w in enumerate(self._waiting)
+                              if not w)
+    running = []  # (end time, order, node index)
+    now, top, order, busy = 0, 0, 0, 0
+    while ready or running:
+      ready = self._run_free(ready)
+      top = max(top, self.live)
+      while ready and busy < self.lanes:
+        i = ready.popleft()
         self._allocate(nodes[i])
-      top = max(top, self.live + max(nodes[i].transient for i in round_))
-      for i in round_:
-        self._release(nodes[i])
-        for j in users[i]:
-          waiting[j] -= 1
-          if not waiting[j]:
-            heapq.heappush(ready, j)
+        top = max(top, self.live + nodes[i].transient)
+        order += 1
+        heapq.heappush(running, (now + 1 + self._cost(nodes[i]), order, i))
+        busy += 1
+      if running:
+        now, _, i = heapq.heappop(running)
+        busy -= 1
+        ready.extendleft(reversed(self._finish(i)))
     return top
+
+  def _run_free(self, ready):
+    """`ready` after running every op in it that allocates nothing (and
+    those they make ready), in order."""
+    left = collections.deque()
+    while ready:
+      i = ready.popleft()
+      if self._allocates(self.program.nodes[i]):
+        left.append(i)
+        continue
+      self._allocate(self.program.nodes[i])
+      ready.extendleft(reversed(self._finish(i)))
+    return left
+
+  def _finish(self, i):
+    """Frees what op `i` was the last to read; the ops it made ready."""
+    self._release(self.program.nodes[i])
+    made = []
+    for j in self._users[i]:
+      self._waiting[j] -= 1
+      if not self._waiting[j]:
+        made.append(j)
+    return sorted(made)
+
+  def _cost(self, node):
+    return sum(n for _, n, _ in node.outputs) + sum(
+        self.size.get(self.buffer_of.get(k), 0) for k in node.inputs)
 
   def _allocates(self, node):
     return any(n for _, n, _ in node.outputs) or node.transient > 0
 
   def _allocate(self, node):
-    lent = None
-    if node.type in _FORWARDING and node.outputs and node.outputs[0][1]:
+    lent, into = None, _FORWARDED_OUTPUT.get(node.type, 0)
+    if (node.type in _FORWARDING or node.type in _FORWARDED_OUTPUT) and (
+        len(node.outputs) > into and node.outputs[into][1]):
       lent = next((b for b in (self.buffer_of.get(k) for k in node.inputs)
                    if b is not None and self.refs[b] == 1 and
-                   self.size.get(b) == node.outputs[0][1]), None)
+                   self.size.get(b) == node.outputs[into][1]), None)
     for j, (key, n, alias) in enumerate(node.outputs):
-      if j == 0 and lent is not None:
+      if j == into and lent is not None:
         buffer = lent
       elif alias is not None and alias in self.buffer_of:
         buffer = self.buffer_of[alias]
