@@ -156,10 +156,8 @@ def _shaped_plan(budget_fraction=0.6):
       measured=planner.Measured(peak, int(1.05 * peak), 10, peak // 20),
       measured_keep=planner.Measured(keep_peak, keep_peak, 10),
       held=planner.Held(), shape=(8, 64, 16))
-  plan = budget_lib.with_variants(plan, planner.DEFAULT_SETTINGS)
-  return plan.replace(variants_measured=tuple(
-      planner.Measured.of(planner.predict(costs, list(v))[0], 0.05)
-      for v in plan.variants))
+  return budget_lib.with_variants(plan.replace(margin=0.05),
+                                  planner.DEFAULT_SETTINGS)
 
 
 def test_a_plan_chooses_segments_for_each_shape_without_measuring():

@@ -259,21 +259,19 @@ def test_an_unreachable_fraction_names_the_lowest_and_what_dominates_it():
 
   with pytest.raises(ValueError, match=(
       r"(?s)budget of 35% of the keep-everything peak.*the lowest bound any "
-      r"plan can have is .* MiB, \d+% of the measured keep-everything peak"
+      r"plan can have is .* MiB, \d+% of the keep-everything peak"
       r".*the weight gradients, 3.0 MiB")) as refused:
     chain.checked_plan(blocks, 0.35, x, costs=costs)
   assert [t.candidate.segments for t in refused.value.search.trials] == [
       tuple(planner.keep_all(len(blocks)))]
   # Where the gradients leave room (here they and the reserve are 13% of the
-  # peak), the plans are measured before refusing, and the error gives the
-  # lowest bound measured: rematerializing these layers saves nothing.
+  # peak), the plans are predicted before refusing, and the error gives the
+  # lowest predicted peak: rematerializing these layers saves nothing.
   blocks, x = sample_chain("tanh")
   with pytest.raises(ValueError, match=(
-      r"(?s)budget of 20% of the keep-everything peak.*the lowest bound "
-      r"measured is .* MiB, \d+% of the measured keep-everything peak.*"
-      # What the bound is made of.
-      r"that plan's largest peak, .* MiB, plus the spread of its calls, .* "
-      r"MiB, plus the reserve, .* MiB.*"
+      r"(?s)budget of 20% of the keep-everything peak.*the lowest "
+      r"predicted peak of a training step is .* MiB plus the executor's "
+      r"margin, 5%.*, \d+% of keeping everything's.*"
       r"What every plan holds, by the cost model: ")):
     tfremat.remat_sequential(blocks, budget=0.2, sample_input=x, verbose=0)
 
@@ -446,7 +444,7 @@ def test_checked_plan_shows_progress_without_escape_codes_in_a_log(capsys):
 
   plan(verbose=1)
   out = capsys.readouterr().out
-  assert "measurement" in out, out
+  assert "unit" in out, out
   assert "\x1b" not in out and "\r" not in out and "\b" not in out, repr(out)
   plan(verbose=0)
   assert capsys.readouterr().out == ""
@@ -690,24 +688,18 @@ def test_the_planner_takes_policies_by_value_and_a_users_own():
 
 
 def test_a_budget_above_keeping_everything_keeps_everything():
-  # The reserve is 5% of a plan's own peak: a budget of what training holds
-  # (the weights and the batch) plus 1.2x keeping everything's measured step
-  # (the larger of its steps traced for the sample's shape and for any)
-  # buys no recompute. The blocks are frozen: with weight gradients, an
-  # ungated step's peak (kept layers in a step traced for any shape) moves
-  # with thread timing by up to 1.6x from call to call and process to
-  # process, and the planner's bound adds the spread it measured.
+  # The margin is 5% of a plan's predicted peak: a budget of what training
+  # holds (the weights and the batch) plus 1.1x keeping everything's
+  # predicted step buys no recompute.
   blocks, x = sample_chain("tanh")
   for block in blocks:
     block.trainable = False
   kept = tfremat.RematSequential(blocks, planner.keep_all(len(blocks)),
                                  gated=True)
-  calls = planner.DEFAULT_SETTINGS.check_calls
-  keep = max(chain.measure_peak(kept, x, calls=calls), measure.peak_bytes(
-      chain.training_step(kept, relaxed=True), x, calls=calls))
+  keep = measure.predict_peak(chain.training_step(kept), x)
   held = x.numpy().nbytes + sum(
       v.numpy().nbytes for block in blocks for v in block.weights)
-  layer = tfremat.remat_sequential(blocks, budget=held + int(1.2 * keep),
+  layer = tfremat.remat_sequential(blocks, budget=held + int(1.1 * keep),
                                    sample_input=x, verbose=0)
   assert not any(layer.plan.rematerialized), str(layer.plan)
 

@@ -561,6 +561,10 @@ class StandInRunner:
     return [[self.peaks(Candidate(v, plan.ordered), b, calls)
              for v in plan.variants] for b in batches]
 
+  def predicted(self, candidate, batch):
+    """The largest of its peaks: the planner's prediction of its step."""
+    return max(self.peaks(candidate, batch, 1))
+
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 

@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from tfremat import errors
 
-__all__ = ["predict_peak", "Step", "step_of", "executor_lanes"]
+__all__ = ["predict_peak", "Step", "step_of", "executor_lanes", "traced_work"]
 
 
 def executor_lanes():
@@ -262,11 +262,26 @@ def _xla_peak(step):
 
 
 def _executor_peak(step):
+  return _executor_schedule(step).top
+
+
+def _executor_schedule(step):
+  """The `_Schedule` of `step`'s traced program, run."""
   concrete = step.function.get_concrete_function(*step.args, **step.kwargs)
   graph = concrete.graph
   program = _Program.of(graph)
   held = {t.name for t in graph.outputs}
-  return _Schedule(program, held, executor_lanes()).peak()
+  schedule = _Schedule(program, held, executor_lanes())
+  schedule.peak()
+  return schedule
+
+
+def traced_work(function, *args):
+  """The bytes the ops of `function`'s program read and write at `args`
+  (a `tf.function`; tensors or specs), traced and not run: the simulated
+  executor's measure of an op's time (`predict_peak`), summed. The planner
+  ranks plans by it."""
+  return _executor_schedule(step_of(function, args, {})).work
 
 
 # Ops whose outputs are no new buffer of the step's: an input, a constant, a
@@ -474,6 +489,8 @@ class _Schedule:
         k for node in program.nodes for k in node.inputs)
     self.buffer_of, self.size, self.refs = {}, {}, collections.Counter()
     self.live = 0
+    self.top = 0
+    self.work = 0  # The bytes every op read and wrote, summed.
     deps = program.dependencies()
     self._waiting = [len(d) for d in deps]
     self._users = [[] for _ in deps]
@@ -496,12 +513,15 @@ class _Schedule:
         self._allocate(nodes[i])
         top = max(top, self.live + nodes[i].transient)
         order += 1
-        heapq.heappush(running, (now + 1 + self._cost(nodes[i]), order, i))
+        cost = self._cost(nodes[i])
+        self.work += cost
+        heapq.heappush(running, (now + 1 + cost, order, i))
         busy += 1
       if running:
         now, _, i = heapq.heappop(running)
         busy -= 1
         ready.extendleft(reversed(self._finish(i)))
+    self.top = top
     return top
 
   def _run_free(self, ready):

@@ -19,6 +19,7 @@ from tfremat._src.core import policies as policies_lib
 from tfremat._src.keras_api import in_place
 from tfremat._src.keras_api.chain_layers import call_link
 from tfremat._src.keras_api.chain_layers import nest_target
+from tfremat._src.planning import choose
 from tfremat._src.planning import profile
 from tfremat._src.planning import cost_model
 from tfremat._src.planning import proposals
@@ -125,17 +126,15 @@ def _first_length(batch, axis):
 
 def plan_budget(chain, runner, batch, budget, *, policies=(), costs=None,
                 settings=search.DEFAULT_SETTINGS, verbose=0):
-  """The planner's plan for `chain` within `budget`, checked by measuring
-  `runner`'s training step on `batch`, with the plans it runs at other
-  input shapes (`with_variants`).
-
-  Keeping everything is measured first, before any unit is profiled: a
-  budget put out of reach by what training holds, or by the weight
-  gradients plus their reserve, is refused then. Every variable the runner
+  """The planner's plan for `chain` within `budget`: the units' costs read
+  from their traced programs (`profile.measure_chain(read=True)`), plans
+  held to the budget by their steps' predicted peaks (`choose.choose_plan`),
+  the plans it runs at other input shapes (`with_variants`), and the chosen
+  plan's step run to check it (`checked`). Every variable the runner
   trains is left as it was.
 
   Returns:
-    The `tfremat.planner.Plan`; its `search` says what was measured, its
+    The `tfremat.planner.Plan`; its `search` says what was predicted, its
     `variants` what it runs at other shapes.
 
   Raises:
@@ -143,79 +142,56 @@ def plan_budget(chain, runner, batch, budget, *, policies=(), costs=None,
   """
   budget = Budget.parse(budget)
   units = list(chain.units)
-  steps = (len(units) if costs is None else 0) + 1 + settings.rounds + 3
-  progress = measure.progress_bar(steps, "measurement", verbose)
+  progress = measure.progress_bar(len(units) + 3, "unit", verbose)
   with retracing_quiet(), measure.restoring(_built_variables(chain, batch)):
     cuts = perturbed(chain, batch)
-    plan = search.choose_plan(
-        (lambda: costs) if costs is not None else
-        (lambda: profiled(chain, batch, policies, settings, progress, cuts)),
-        budget, _Counted(runner, progress), batch, settings=settings,
-        nestable=[in_place.can_nest(nest_target(u)) for u in units],
-        floor_bytes=nbytes([u.trainable_weights for u in units]),
-        num_layers=len(units))
+    read = lambda: profile.measure_chain(
+        units, chain.input_of(batch), policies=policies,
+        context=chain.context_of(batch), progress=progress,
+        perturbed=cuts, read=True)
+    plan = choose.choose_plan(
+        ((costs if callable(costs) else (lambda: costs)) if costs is not None
+         else read, len(units)), budget, runner, batch, settings,
+        floor_bytes=nbytes([u.trainable_weights for u in units]))
     shape = tuple(tf.convert_to_tensor(chain.input_of(batch)).shape)
-    plan = with_variants(plan.replace(
-        shape=shape, overhead_bytes=plan.measured.peak_bytes -
-        predict(plan.costs, list(plan.segments))[0]), settings)
-    plan = checked_variants(plan, cuts, runner, batch, settings)
+    plan = with_variants(plan.replace(shape=shape), settings)
+    plan = _overhead_growth(plan, runner, cuts)
+    plan = checked(plan, runner, batch, settings)
   if progress is not None:
     progress.update(progress.target, finalize=True)
   return plan
 
 
-def checked_variants(plan, cuts, runner, batch, settings):
-  """`plan` with each variant measured where it runs: in a step traced for
-  any shape with the variants in a `tf.switch_case`
-  (`Runner.variant_peaks`), over `settings.first_calls` steps at the
-  sample and one at each of `cuts` (`perturbed`: each axis halved); and
-  alone in a step
-  traced for the sample's shapes, as `fit` traces its first (as the search
-  measured it, or over `settings.first_calls` steps). Either program can
-  hold more.
-  The larger bound at the sample, and how the bytes beyond the cost model
-  grow over those shapes, are its prediction's calibration
-  (`Plan.variants_measured`, `Plan.variants_slopes`).
+def _overhead_growth(plan, runner, cuts):
+  """`plan` with `overhead_per_size` read from its step predicted again
+  with the batch halved (the first of `cuts`, `perturbed`), where it
+  chooses between variants and the batch may change: what the step holds
+  beyond the cost model as `c + k * size`, through the two predictions
+  (`k` not below 0)."""
+  cut = next((c for c in cuts if c.axis == 0 and c.batch is not None), None)
+  if cut is None or len(plan.variants) < 2:
+    return plan
+  candidate = search.Candidate(plan.segments, plan.ordered)
+  costs = [c.at(cut.ratios) for c in plan.costs]
+  over = runner.predicted(candidate, cut.batch) - predict(
+      costs, list(plan.segments))[0]
+  slope = (plan.overhead_bytes - over) / (1.0 - cut.ratio)
+  return plan.replace(overhead_per_size=max(0.0, slope))
 
-  Raises:
-    tfremat.errors.BudgetUnreachableError: no variant fits the budget at
-      the sample.
-  """
-  # Under XLA a step traced for any shape runs the lowest variant alone,
-  # and one of a planned model does not compile (a reshape after the chain
-  # needs a constant shape): each variant is measured alone.
-  batches = [batch] + [p.batch for p in cuts]
-  try:
-    relaxed = [] if runner.jit else runner.variant_peaks(
-        plan, batches, settings.first_calls)
-  except errors.RerunMismatchError:
-    # In a tf.switch_case a rerun under a save policy built other ops than
-    # its forward pass (KerasHub's TransformerDecoder, whose causal mask is
-    # made from the sequence's length): the sample's segments run alone at
-    # every shape, as a nested plan's do.
-    plan = plan.replace(variants=(tuple(plan.segments),))
-    relaxed = runner.variant_peaks(plan, batches, settings.first_calls)
-  searched = {t.candidate.segments: t.measured for t in
-              (plan.search.trials if plan.search else ())
-              if t.candidate.ordered == plan.ordered}
-  measured, slopes = [], []
-  for i, segments in enumerate(plan.variants):
-    alone = searched.get(segments) or Measured.of(runner.peaks(
-        search.Candidate(segments, plan.ordered), batch,
-        settings.first_calls, every_program=True), settings.reserve)
-    if runner.jit:
-      measured.append(alone)
-      slopes.append(None)
-      continue
-    measured.append(max(alone, Measured.of(relaxed[0][i], settings.reserve),
-                        key=lambda m: m.bound_bytes))
-    model = [predict([c.at(r) for c in plan.costs], list(segments))[0]
-             for r in [()] + [p.ratios for p in cuts]]
-    beyond = [max(peaks[i]) - m for peaks, m in zip(relaxed, model)]
-    slopes.append(growth.slope(1.0, beyond[0], [p.ratio for p in cuts],
-                               beyond[1:]))
-  plan = plan.replace(variants_measured=tuple(measured),
-                      variants_slopes=tuple(slopes))
+
+def checked(plan, runner, batch, settings):
+  """`plan` with its step run `settings.first_calls` times on `batch`
+  (`Plan.measured`): the prediction's check. Where the largest peak is
+  over what the budget leaves the step, the plan's variants are cut to
+  those predicted lower than it (raising where none is)."""
+  measured = Measured.of(runner.peaks(
+      search.Candidate(plan.segments, plan.ordered), batch,
+      settings.first_calls))
+  plan = plan.replace(measured=measured)
+  room = plan.step_budget_bytes
+  if room is not None and measured.peak_bytes > room:
+    over = measured.peak_bytes - plan.predicted_peak_at(plan.shape)
+    plan = plan.replace(overhead_bytes=plan.overhead_bytes + over)
   plan.segments_at(plan.shape)  # Raises where none fits at the sample.
   return plan
 
@@ -250,8 +226,7 @@ def with_variants(plan, settings):
       costs = [c.at(ratios) for c in plan.costs]
       # The room for the chain's tensors: what the budget leaves the bound
       # there, less what the step holds beyond the cost model.
-      target = (plan.allowed_at(shape) * (1 - settings.aim_below) *
-                plan.measured.peak_bytes / plan.measured.bound_bytes -
+      target = (plan.allowed_at(shape) / (1 + plan.margin) -
                 plan.predicted_peak_at(shape) +
                 predict(costs, list(plan.segments))[0])
       segments = cost_model.fastest(costs, target)

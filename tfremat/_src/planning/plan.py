@@ -132,29 +132,31 @@ class Plan:
     ordered: whether the chain runs ordered (`RematSequential(...,
       ordered=True)`): the planner orders a plan only where no unordered
       plan it measured fits.
-    measured: this plan's measured peaks and bound (a
-      `tfremat.planner.Measured`, set when the planner checked it), else
+    measured: this plan's measured peaks (a `tfremat.planner.Measured`,
+      set where the planner ran the chosen plan's step to check it), else
       None.
     measured_keep: the same for keeping everything, else None.
     held: what training holds besides the step at the sample's batch
       (`tfremat.planner.Held`: weights, optimizer state, batch), or None
       (counted as nothing).
     shape: the chain's input shape on the sample, or None.
-    overhead_bytes: what the measured step held beyond the cost model's
-      peak for this plan (the model's layers outside the chain, its loss,
-      the optimizer's update): the prediction's one calibration.
+    overhead_bytes: what this plan's predicted step
+      (`tfremat.measure.predict_peak`) holds beyond the cost model's chain
+      (the model's layers outside the chain, its loss, the optimizer's
+      update).
     variants: the segments it may run, fastest first, this plan's among
       them; at each input shape, the first predicted within the budget
       there (`segments_at`). Empty: this plan's segments at every shape.
-    variants_measured: each variant's `Measured` at the sample, the larger
-      of a step traced for the sample's shapes and one traced for any shape
-      (the variants in a `tf.switch_case`): its prediction's calibration.
-    variants_slopes: for each variant, how the bytes its measured step
-      holds beyond the cost model grow with the input's size (bytes per
-      sample's size), measured over shapes in the step traced for any;
-      None where not measured (under XLA, which runs the lowest variant
-      there): then in proportion, never lower than at the sample.
-    step: which training step was measured: "train_on_batch" (a compiled
+    margin: what a predicted peak is held to the budget with, as a
+      fraction of it (`Settings.reserve` on TensorFlow's executor, whose
+      threads order ops differently from call to call; 0 under XLA).
+    predicted_keep: keeping everything's predicted peak at the sample, or
+      None.
+    overhead_per_size: how `overhead_bytes` grows with the input's size
+      (its elements over the sample's), from this plan's step predicted
+      again at half the sample's batch; None: in proportion, and never
+      below the sample's.
+    step: which training step was predicted: "train_on_batch" (a compiled
       model's, with its loss and optimizer) or "stand-in" (the gradient of
       sum(y**2)/2 of the outputs, no optimizer); None where nothing was.
     search: what the planner measured to choose it (a
@@ -173,8 +175,9 @@ class Plan:
   shape: tuple = None
   overhead_bytes: int = 0
   variants: tuple = ()
-  variants_measured: tuple = ()
-  variants_slopes: tuple = ()
+  margin: float = 0.0
+  predicted_keep: int = None
+  overhead_per_size: float = None
   step: str = None
   search: object = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -189,11 +192,7 @@ class Plan:
     object.__setattr__(self, "variants", tuple(
         tuple(s if isinstance(s, Segment) else Segment(*s) for s in v)
         for v in self.variants))
-    object.__setattr__(self, "variants_slopes", tuple(
-        None if v is None else float(v) for v in self.variants_slopes))
-    object.__setattr__(self, "variants_measured", tuple(
-        m if isinstance(m, Measured) else Measured.from_config(m)
-        for m in self.variants_measured))
+    object.__setattr__(self, "margin", float(self.margin))
 
   def replace(self, **changes):
     """A new Plan like this one, with `changes` (any field but `costs`)."""
@@ -270,29 +269,18 @@ class Plan:
   def rows(self, segments=None):
     """The step's predicted peak under `segments` (default: this plan's)
     at every input shape, as `Rows`: the cost model on the costs' growth,
-    plus what the measured step held beyond it at the sample (`_measured`),
-    growing with the input's size as measured (`variants_slopes`), or in
-    proportion and never counted lower than at the sample."""
+    plus what the predicted step held beyond it at the sample, in
+    proportion to the input's size and never counted lower than there."""
     segments = tuple(self.segments if segments is None else segments)
     cache = self.__dict__.setdefault("_rows", {})  # Not a field.
     if segments not in cache:
       cache[segments] = _rows(self, segments)
     return cache[segments]
 
-  def _measured(self, segments):
-    """The `Measured` of `segments` at the sample: as a variant, or as
-    keeping everything; None where they were not measured so."""
-    if segments in self.variants and self.variants_measured:
-      return self.variants_measured[self.variants.index(segments)]
-    if segments == tuple(keep_all(len(self.costs))):
-      return self.measured_keep
-    return None
-
   def _bound_per_peak(self, segments):
-    """A measured bound over its peak (`segments`' own, else this plan's):
-    carried to every shape."""
-    measured = self._measured(segments) or self.measured
-    return measured.bound_bytes / max(1, measured.peak_bytes)
+    """A predicted peak's bound over it: 1 plus the margin."""
+    del segments  # The same for every plan.
+    return 1.0 + self.margin
 
   def predicted_peak_at(self, shape, segments=None):
     """The step's peak at input `shape` under `segments` (default: this
@@ -381,9 +369,9 @@ class Plan:
         "shape": list(self.shape) if self.shape else None,
         "overhead_bytes": self.overhead_bytes,
         "variants": [[s.as_list() for s in v] for v in self.variants],
-        "variants_measured": [dataclasses.asdict(m)
-                              for m in self.variants_measured],
-        "variants_slopes": list(self.variants_slopes),
+        "margin": self.margin,
+        "predicted_keep": self.predicted_keep,
+        "overhead_per_size": self.overhead_per_size,
         "step": self.step,
     }
 
@@ -402,8 +390,9 @@ class Plan:
                overhead_bytes=config.get("overhead_bytes", 0),
                variants=[[Segment(*s) for s in v]
                          for v in config.get("variants") or ()],
-               variants_measured=config.get("variants_measured") or (),
-               variants_slopes=config.get("variants_slopes") or (),
+               margin=config.get("margin", 0.0),
+               predicted_keep=config.get("predicted_keep"),
+               overhead_per_size=config.get("overhead_per_size"),
                step=config.get("step"), **measured)
 
   def __str__(self):
@@ -412,18 +401,20 @@ class Plan:
 
 
 def _rows(plan_, segments):
-  """`Plan.rows` of `segments`, computed."""
+  """`Plan.rows` of `segments`, computed: the cost model's chain plus what
+  the predicted step held beyond it at the sample (keeping everything's
+  own, for keeping everything), never counted lower than at the sample and
+  growing at most in proportion to the input's size."""
   costs = [c.symbolic(plan_.num_axes) for c in plan_.costs]
   model = predict(costs, list(segments))[0]
-  measured = plan_._measured(segments)  # pylint: disable=protected-access
-  over = (plan_.overhead_bytes if measured is None else
-          measured.peak_bytes - model.at(()))
+  over = plan_.overhead_bytes
+  if (plan_.predicted_keep is not None and
+      segments == tuple(keep_all(len(plan_.costs)))):
+    over = plan_.predicted_keep - model.at(())
   size = growth.PROPORTIONAL(plan_.num_axes)
-  slope = (plan_.variants_slopes[plan_.variants.index(segments)]
-           if segments in plan_.variants and plan_.variants_slopes else None)
-  if slope is not None:
+  if plan_.overhead_per_size is not None:
+    slope = plan_.overhead_per_size
     return model + size * slope + (over - slope)
-  # Never counted lower than at the sample.
   return model + growth.maximum(Rows.constant(over), size * over)
 
 

@@ -1,6 +1,6 @@
 """How a `tfremat.planner.Plan` prints: a table of its layers' decisions,
-then its budget, measured bound and the cost model's predictions, then a
-legend (`LEGEND`, also `tfremat.planner.LEGEND`)."""
+then its budget, its step's predicted and measured peaks and the cost
+model's figures, then a legend (`LEGEND`, also `tfremat.planner.LEGEND`)."""
 
 from tfremat._src import units
 from tfremat._src.core import policies
@@ -36,45 +36,44 @@ def layer_rows(plan):
   return rows
 
 def summary_rows(plan):
-  """The budget, measured and predicted lines of `plan`'s printout."""
-  # Measured figures are compared with measured ones, the cost model's with
-  # the cost model's, and every line says which it is.
+  """The budget, predicted and measured lines of `plan`'s printout."""
+  # Predicted figures are compared with predicted ones, the cost model's
+  # with the cost model's, and every line says which it is.
   mib, rows = units.format_bytes, []
-  keep = plan.measured_keep_peak_bytes
+  keep = plan.predicted_keep
   if plan.budget_bytes is not None:
     given = ""
     if plan.budget is not None and plan.budget.fraction is not None:
       given = ((f"held + " if plan.held is not None else "") +
-               f"{plan.budget.fraction:.0%} of the measured peak of keeping "
+               f"{plan.budget.fraction:.0%} of the predicted peak of keeping "
                "everything" + (f" ({mib(keep)})" if keep else ""))
     rows.append(("budget", mib(plan.budget_bytes), given))
     if plan.held is not None:
       rows.append(("held", mib(plan.held.total_bytes),
                    f"weights {mib(plan.held.weights_bytes)}, optimizer "
                    f"{mib(plan.held.optimizer_bytes)}, batch "
-                   f"{mib(plan.held.batch_bytes)}; the step's bound must "
-                   f"fit {mib(plan.step_budget_bytes)}"))
+                   f"{mib(plan.held.batch_bytes)}; the step must fit "
+                   f"{mib(plan.step_budget_bytes)}"))
   if plan.step is not None:
-    rows.append(("measured on", plan.step, _STEPS.get(plan.step, "")))
+    rows.append(("predicted on", plan.step, _STEPS.get(plan.step, "")))
+  if plan.shape is not None and plan.budget is not None:
+    peak = plan.predicted_peak_at(plan.shape)
+    versus = f"; {peak / keep:.2f}x of keeping everything's" if keep else ""
+    margin = (f", held to the budget with a {plan.margin:.0%} margin"
+              if plan.margin else "")
+    rows.append(("predicted peak", mib(peak),
+                 f"read from the step's program{margin}{versus}"))
   if plan.measured is not None:
     m = plan.measured
-    versus = (f"; {m.peak_bytes / keep:.2f}x of keeping everything's"
-              if keep else "")
-    rows.append(("measured peak", mib(m.peak_bytes),
-                 f"the largest of {m.calls} calls{versus}"))
     verdict = ""
     if plan.budget_bytes is not None:
       verdict = ("; within the budget"
-                 if m.bound_bytes <= plan.step_budget_bytes
+                 if m.peak_bytes <= plan.step_budget_bytes
                  else "; over the budget")
-    margin = (f" + reserve ({mib(m.reserve_bytes)})"
-              if m.reserve_bytes else "")
-    rows.append(("bound", mib(m.bound_bytes),
-                 f"for every later call: largest + spread of the {m.calls} "
-                 f"calls{margin}{verdict}"))
+    rows.append(("measured peak", mib(m.peak_bytes),
+                 f"the largest of {m.calls} calls run to check it{verdict}"))
   if plan.ordered:
-    rows.append(("order", "ordered", "the chain's ops run in one order "
-                 "(no unordered plan measured fits the budget)"))
+    rows.append(("order", "ordered", "the chain's ops run in one order"))
   rows.append(("cost model's peak", mib(plan.peak_bytes),
                f"{plan.peak_bytes / plan.baseline_peak_bytes:.2f}x of "
                f"keeping everything, by the model "
@@ -105,6 +104,7 @@ decision: keep (the layer's activations are stored for the backward pass) or
 stored: what the layer stores for the backward pass under this decision,
   beyond its output. output: its output. fwd ms: one forward call (what
   rerunning it costs). wait ms: what its rerun adds when it waits for later
-  layers of its segment to rerun. Structurally identical layers are measured
-  once and share their figures. The cost model's figures are estimates; a
-  plan is chosen on its measured bound."""
+  layers of its segment to rerun. Read from each layer's traced program
+  (times from the bytes its ops read and write); structurally identical
+  layers are read once and share their figures. The cost model proposes; a
+  plan is chosen on its whole step's predicted peak."""

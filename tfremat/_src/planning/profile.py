@@ -12,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfremat._src import measuring as measure
+from tfremat._src import predicting
 from tfremat._src.core import policies as policies_lib
 from tfremat._src.core import residuals
 from tfremat._src.core import watch
@@ -140,7 +141,8 @@ def _saved_bytes(traced):
 
 
 def measure_layer(layer, x, repeats=5, policies=(), context=None,
-                  clock=measure.median_seconds, perturbed=()):
+                  clock=measure.median_seconds, perturbed=(),
+                  peak_of=measure.peak_bytes):
   """Measures `layer` on input `x`; returns (LayerCost, its output).
   `context`: the chain's context tensors, for a layer that reads them.
   `clock`: what times its steps (`tfremat.measure.median_seconds`'s
@@ -182,9 +184,9 @@ def measure_layer(layer, x, repeats=5, policies=(), context=None,
   grads = _nbytes(layer.trainable_weights)
   traced = {}
   once = training_step(layer, traced=traced, context=context)
-  peak_once = measure.peak_bytes(once, x)
+  peak_once = peak_of(once, x)
   saved = _saved(layer, traced, once, run, x, y, context)
-  fwd_peak = measure.peak_bytes(forward, x)
+  fwd_peak = peak_of(forward, x)
   # Keyed by the policies' values: a plan's segments run them.
   policies = tuple(policies_lib.get(p) for p in policies)
   kept, keeps, first_alike, empty = {}, {}, {}, set()
@@ -223,7 +225,7 @@ def measure_layer(layer, x, repeats=5, policies=(), context=None,
       policy_keeps=keeps)
   if perturbed:
     cost = dataclasses.replace(cost, growth=_growth(
-        layer, cost, traced, (fwd_peak, peak_once), perturbed))
+        layer, cost, traced, (fwd_peak, peak_once), perturbed, peak_of))
   return cost, y
 
 
@@ -245,7 +247,7 @@ class Perturbed:
                  for i in range(self.axis + 1))
 
 
-def _growth(layer, cost, traced, peaks, perturbed):
+def _growth(layer, cost, traced, peaks, perturbed, peak_of):
   """`LayerCost.growth` of `layer` from its step `traced` at the sample and
   at each `Perturbed` input: each tensor's bytes as a monomial of the axes'
   ratios (`growth.tensor_terms`); the input, output and saved tensors
@@ -260,8 +262,7 @@ def _growth(layer, cost, traced, peaks, perturbed):
     step = training_step(layer, traced=found, context=p.context)
     forward = measure.replicated(
         lambda h, c=p.context: call_link(layer, h, c, True))
-    points.append((p, measure.peak_bytes(forward, p.x),
-                   measure.peak_bytes(step, p.x)))
+    points.append((p, peak_of(forward, p.x), peak_of(step, p.x)))
     graphs.append((p.axis, p.ratio, found["graph"]))
   terms = growth.tensor_terms(traced["graph"], graphs)
   live = growth.step_growth(traced, terms)
@@ -410,9 +411,29 @@ def structure_key(layer, x, policies=()):
 WAITING_PROBE_LAYERS = 4
 
 
+# The rate at which `read_seconds` turns the bytes a program's ops read
+# and write into seconds: it ranks plans by their work, and only ratios of
+# its figures matter to the planner.
+WORK_BYTES_PER_SECOND = 5e9
+
+
+def read_peak(fn, x):
+  """`fn`'s peak on `x`, read from its program (`predict_peak`)."""
+  return predicting.predict_peak(fn, x)
+
+
+def read_seconds(fns, x, repeats=None, **unused):
+  """Each of `fns`' estimated seconds on `x`, read from its program: the
+  bytes its ops read and write (`predicting.traced_work`) over
+  `WORK_BYTES_PER_SECOND`. Nothing runs."""
+  del repeats, unused
+  return [predicting.traced_work(fn, x) / WORK_BYTES_PER_SECOND
+          for fn in fns]
+
+
 def measure_chain(layers, sample_input, repeats=5, progress=None,
                   policies=(), measure_waiting=False, waiting_fraction=0.2,
-                  context=None, perturbed=()):
+                  context=None, perturbed=(), read=False):
   """Measures each layer of a chain in turn; returns a list of LayerCost.
 
   Structurally identical layers (`structure_key`) are measured once: the
@@ -440,8 +461,12 @@ def measure_chain(layers, sample_input, repeats=5, progress=None,
   `context`: the chain's context tensors on the sample, for the layers that
   read them (a model's units that read a padding mask). `perturbed`: the
   chain's `Perturbed` inputs, each walked through the chain beside the
-  sample for how each layer's costs grow (`measure_layer`).
+  sample for how each layer's costs grow (`measure_layer`). `read`: every
+  peak and time is read from the layers' traced programs (`read_peak`,
+  `read_seconds`) and no training step runs; only each layer's forward pass
+  runs once, for the next one's input.
   """
+  reading = dict(peak_of=read_peak, clock=read_seconds) if read else {}
   advance = progress.add if progress is not None else lambda _: None
   costs, x, measured = [], tf.convert_to_tensor(sample_input), {}
   perturbed = list(perturbed)
@@ -453,7 +478,7 @@ def measure_chain(layers, sample_input, repeats=5, progress=None,
       x = call_link(layer, x, context, False)
     else:
       cost, x = measure_layer(layer, x, repeats, policies, context,
-                              perturbed=perturbed)
+                              perturbed=perturbed, **reading)
       if key is not None:
         measured[key] = cost
     perturbed = [dataclasses.replace(p, x=call_link(layer, p.x, p.context,
@@ -462,7 +487,7 @@ def measure_chain(layers, sample_input, repeats=5, progress=None,
     costs.append(cost)
     advance(1)
   ratio = waiting_fraction
-  if measure_waiting and len(costs) > 1:
+  if measure_waiting and len(costs) > 1 and not read:
     ratio = _waiting_ratio(layers, sample_input, costs, repeats, context)
     advance(1)
   return [dataclasses.replace(

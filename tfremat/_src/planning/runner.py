@@ -29,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfremat._src import measuring as measure
+from tfremat._src import predicting
 from tfremat._src.keras_api.chain_layers import Probe
 from tfremat._src.planning import apply
 from tfremat._src.planning import profile
@@ -166,6 +167,18 @@ class Runner:
               step, batch, calls=calls if i == 0 else 1, warmup=i == 0)])
     return found
 
+  def predicted(self, candidate, batch):
+    """`candidate`'s training step's peak on `batch` (one replica's),
+    read from its program (`tfremat.measure.predict_peak`): nothing runs."""
+    batch = self.step_batch(batch)
+    return predicting.predict_peak(*self.predictable(candidate, batch)) // (
+        self.replicas)
+
+  def predictable(self, candidate, batch):
+    """(step, *args): what `predict_peak` reads for `candidate` on `batch`.
+    By default the stand-in step of what `build` applies."""
+    raise NotImplementedError
+
   # The programs a candidate's check measures: traced for the batch's
   # shapes (False) and, for a runner that sets it, for any shape (True).
   programs = (False,)
@@ -236,6 +249,10 @@ class ChainRunner(Runner):
   def build(self, candidate, probe=None, relaxed=False):
     return _stand_in(apply.apply_plan(self.layers, candidate, probe=probe),
                      relaxed)
+
+  def predictable(self, candidate, batch):
+    return (profile.training_step(apply.apply_plan(self.layers, candidate)),
+            batch.x)
 
 
 def fit_step(model, batch):
@@ -330,6 +347,14 @@ class ModelRunner(Runner):
     apply.compiled_like(planned, self.model)
     return train_step(planned, relaxed)
 
+  def predictable(self, candidate, batch):
+    planned = apply.apply_plan(self.units, candidate, chain=self.chain,
+                               name=f"{self.model.name}_chain")
+    if not self.fit:
+      return profile.training_step(planned), batch.x
+    apply.compiled_like(planned, self.model)
+    return planned.train_on_batch, batch.x, batch.y
+
 
 class InPlaceRunner(Runner):
   """A compiled model whose `layers` each candidate rematerializes in
@@ -359,6 +384,11 @@ class InPlaceRunner(Runner):
         self.apply(candidate)
       return fit_step(self.model, batch)
     return run
+
+  def predictable(self, candidate, batch):
+    if self._current != candidate:
+      self.apply(candidate)
+    return self.model.train_on_batch, batch.x, batch.y
 
   def apply(self, candidate):
     """Leaves the model's layers rematerialized as `candidate` says."""

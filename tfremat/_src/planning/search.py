@@ -215,14 +215,13 @@ class Search:
     mib = units.format_bytes
     rows = [f"budget {mib(self.budget_bytes)} ({self.budget}): held "
             f"{self.held}; the step's bound within {mib(self.step_bytes)}",
-            f"measured on {self.step}; {self.settings}"]
+            f"on {self.step}; {self.settings}"]
     for i, t in enumerate(self.trials):
       mark = "chosen" if t is self.chosen else ("fits" if t.fits else "over")
-      predicted = ("" if t.predicted_bytes is None else
-                   f" (predicted {mib(t.predicted_bytes)})")
-      rows.append(f"{i + 1:>3}. {mark:<7}peak {mib(t.measured.peak_bytes):>11}"
-                  f"{predicted}  bound {mib(t.measured.bound_bytes):>11}  "
-                  f"{t.why}")
+      how = "predicted" if not t.measured.calls else "peak"
+      rows.append(f"{i + 1:>3}. {mark:<7}{how} "
+                  f"{mib(t.measured.peak_bytes):>11}  bound "
+                  f"{mib(t.measured.bound_bytes):>11}  {t.why}")
     if self.chosen is None:
       rows.append("     refused: no candidate fits")
     return "\n".join(rows)
@@ -312,8 +311,8 @@ def search_budget(budget, runner, batch, propose, rank, *,
     return Search(budget, budget_bytes, held, runner.step, settings,
                   tuple(trials), chosen)
 
-  error = _floor_error(budget, budget_bytes, held, kept, floor_bytes,
-                       settings)
+  error = floor_error(budget, budget_bytes, held, kept, floor_bytes,
+                      settings.reserve)
   if error is not None:
     error.search = record()
     raise error
@@ -509,7 +508,7 @@ def unreachable_budget_error(budget, budget_bytes, held, keep_peak, lowest,
       f"{fix}.", lowest, keep_peak)
 
 
-def _floor_error(budget, budget_bytes, held, keep, floor_bytes, settings):
+def floor_error(budget, budget_bytes, held, keep, floor_bytes, margin):
   """The ValueError for a budget that no plan can meet, or None: one that
   leaves the step nothing (what training holds is over it), or less than
   the weight gradients plus their reserve.
@@ -522,7 +521,7 @@ def _floor_error(budget, budget_bytes, held, keep, floor_bytes, settings):
   fits or the budget is 100% of it.
   """
   step_bytes = budget_bytes - held.total_bytes
-  reserve = settings.reserve_bytes(floor_bytes)
+  reserve = int(margin * floor_bytes)
   lowest = floor_bytes + reserve
   if ((step_bytes > 0 and lowest <= step_bytes) or
       keep.bound_bytes <= step_bytes or budget.fraction == 1.0):
@@ -542,10 +541,10 @@ def _floor_error(budget, budget_bytes, held, keep, floor_bytes, settings):
   return errors.BudgetUnreachableError.of(
       f"No rematerialization plan fits a budget of {asked}{mib(budget_bytes)}:"
       f" the lowest bound any plan can have is {mib(lowest)}, {least}% of "
-      f"the measured keep-everything peak ({mib(keep.peak_bytes)}), and "
+      f"the keep-everything peak ({mib(keep.peak_bytes)}), and "
       f"training holds {held} besides the step. Every plan's training step "
       f"ends holding the weight gradients, {mib(floor_bytes)}, and every "
       f"plan's bound adds its reserve, at least {mib(reserve)} "
-      f"({settings.reserve:.0%} of its peak). Rematerializing frees "
+      f"({margin:.0%} of its peak). Rematerializing frees "
       f"activations, not weight gradients: raise the budget to at least "
       f"{need}.", lowest, keep.peak_bytes)

@@ -1,0 +1,186 @@
+"""The planner's choice, from predictions: each candidate's training step
+is read from its program (`Runner.predicted`, `tfremat.measure.predict_peak`)
+and held to the budget there; the one chosen is then run, a few steps, to
+check it (`checked`). The cost model (`cost_model.fastest`) proposes; the
+prediction of the whole step decides.
+
+One quantity covers what a prediction cannot see: on TensorFlow's executor,
+whose threads order independent ops differently from call to call, a
+candidate's predicted peak is held to the budget with `Settings.reserve`
+added (`margin_of`); under XLA, whose buffer assignment is the step's
+peak, with none."""
+
+import dataclasses
+import math
+
+from tfremat import errors
+from tfremat._src import units
+from tfremat._src.keras_api.segments import keep_all
+from tfremat._src.planning import cost_model
+from tfremat._src.planning import proposals
+from tfremat._src.planning import search
+from tfremat._src.planning.cost_model import Budget
+from tfremat._src.planning.cost_model import predict
+from tfremat._src.planning.plan import Measured
+from tfremat._src.planning.plan import Plan
+from tfremat._src.planning.search import Candidate
+from tfremat._src.planning.search import Search
+from tfremat._src.planning.search import Trial
+
+__all__ = [
+    "margin_of",
+    "choose_plan",
+]
+
+
+def margin_of(runner, settings):
+  """What a predicted peak is held to the budget with, as a fraction of
+  it: `settings.reserve` on the executor, nothing under XLA."""
+  return 0.0 if runner.jit else settings.reserve
+
+
+def _predicted(peak, margin):
+  """A `Measured` standing for a prediction: its bound is the peak plus
+  the margin, over no calls."""
+  extra = int(math.ceil(margin * peak))
+  return Measured(int(peak), int(peak) + extra, 0, extra)
+
+
+class _Trials:
+  """The candidates predicted so far, each once."""
+
+  def __init__(self, costs, runner, batch, margin, room):
+    self.costs, self.runner, self.batch = costs, runner, batch
+    self.margin, self.room = margin, room
+    self.trials, self.peaks = [], {}
+
+  def model(self, segments):
+    return predict(self.costs, list(segments))[0]
+
+  def seconds(self, segments):
+    return predict(self.costs, list(segments))[1]
+
+  def fits(self, segments):
+    return _predicted(self.peaks[segments], self.margin).bound_bytes <= (
+        self.room)
+
+  def add(self, segments, stage, why):
+    segments = tuple(segments)
+    if segments not in self.peaks:
+      peak = self.runner.predicted(Candidate(segments), self.batch)
+      self.peaks[segments] = peak
+      self.trials.append(Trial(
+          Candidate(segments), stage, why, _predicted(peak, self.margin),
+          False, peak))
+    return self.peaks[segments]
+
+  def overhead(self, segments):
+    """What the predicted step holds beyond the cost model's chain."""
+    return self.peaks[segments] - self.model(segments)
+
+
+def choose_plan(costs, budget, runner, batch, settings, floor_bytes=0):
+  """The fastest plan for `budget` among those the cost model proposes,
+  each held to the budget by its predicted peak.
+
+  Keeping everything is predicted first: a fraction is of its peak, and it
+  is chosen where it fits. Then, up to `settings.rounds` times, the cost
+  model's fastest plan within the room the budget leaves the chain (the
+  step's room less the margin, less what the last prediction held beyond
+  the cost model) is predicted; the fastest that fits is chosen. Where
+  none does, the lowest plan is predicted, and chosen if it fits.
+
+  `costs` is the chain's LayerCosts, or a pair (a function of none that
+  returns them, the chain's length): called once keeping everything is
+  predicted, so that a budget below `floor_bytes` (the weight gradients
+  every plan's step holds) plus the margin is refused before any unit is
+  read.
+
+  Returns:
+    The `Plan` (its `measured` unset: `checked` runs it).
+
+  Raises:
+    tfremat.errors.BudgetUnreachableError: not even the lowest plan is
+      predicted to fit.
+  """
+  budget = Budget.parse(budget)
+  held = runner.held(batch)
+  margin = margin_of(runner, settings)
+  costs_of, n = costs if isinstance(costs, tuple) else (lambda: costs,
+                                                          len(costs))
+  keep = tuple(keep_all(n))
+  found = _Trials(None, runner, batch, margin, None)
+  keep_peak = found.add(keep, "keep", "keeping everything")
+  room = (int(budget.fraction * keep_peak) if budget.fraction is not None
+          else budget.num_bytes - held.total_bytes)
+  found.room = room
+  fits_keep = found.fits(keep) or budget.fraction == 1.0
+  if not fits_keep:
+    error = search.floor_error(budget, held.total_bytes + room, held,
+                               _predicted(keep_peak, margin), floor_bytes,
+                               margin)
+    if error is not None:
+      error.search = Search(budget, held.total_bytes + room, held,
+                            runner.step, settings, tuple(found.trials))
+      raise error
+  costs = found.costs = list(costs_of())
+  best = keep if fits_keep else None
+  last = keep
+  for _ in range(settings.rounds if best is None else 0):
+    target = room / (1 + margin) - found.overhead(last)
+    segments = cost_model.fastest(costs, target)
+    if segments is None or tuple(segments) in found.peaks:
+      break
+    last = tuple(segments)
+    found.add(last, "model", "the cost model's fastest within the room")
+    if found.fits(last) and (best is None or
+                             found.seconds(last) < found.seconds(best)):
+      best = last
+    if best is not None and found.peaks[best] * (1 + margin) >= (
+        settings.use_at_least * room):
+      break
+  if best is None:
+    lowest = tuple(proposals.lowest_plan(costs).segments)
+    found.add(lowest, "lowest", "the lowest plan")
+    if found.fits(lowest):
+      best = lowest
+  budget_bytes = held.total_bytes + room
+  trials = tuple(dataclasses.replace(t, fits=found.fits(t.candidate.segments))
+                 for t in found.trials)
+  chosen = next((t for t in trials if t.candidate.segments == best), None)
+  record = Search(budget, budget_bytes, held, runner.step, settings, trials,
+                  chosen)
+  if best is None:
+    error = unreachable_error(budget, budget_bytes, held, keep_peak,
+                              min(found.peaks.values()), margin,
+                              terms=cost_model.floor_terms(costs))
+    error.search = record
+    raise error
+  return Plan(costs, best, budget_bytes, budget, held=held, step=runner.step,
+              overhead_bytes=found.overhead(best), margin=margin,
+              predicted_keep=keep_peak, search=record)
+
+
+def unreachable_error(budget, budget_bytes, held, keep_peak, lowest, margin,
+                      subject="No rematerialization plan fits", terms=(),
+                      fix="shrink the batch or the widest layer"):
+  """The ValueError for a budget below `lowest`, the lowest predicted peak,
+  with the margin it is held to; `terms`, (what, bytes) pairs every plan
+  holds by the cost model (`cost_model.floor_terms`), for the message."""
+  mib = units.format_bytes
+  bound = int(math.ceil(lowest * (1 + margin)))
+  asked = (f"{budget.fraction:.0%} of the keep-everything peak, "
+           if budget.fraction is not None else "")
+  least = bound / max(1, keep_peak)
+  need = (f"at least {math.ceil(100 * least)}%" if asked else
+          f"at least {mib(held.total_bytes + bound)}")
+  how = (f" plus the executor's margin, {margin:.0%} "
+         "(tfremat.planner.Settings.reserve)" if margin else "")
+  what = "; ".join(f"{w}: {mib(n)}" for w, n in terms)
+  what = f" What every plan holds, by the cost model: {what}." if what else ""
+  return errors.BudgetUnreachableError.of(
+      f"{subject} a budget of {asked}{mib(budget_bytes)}: the lowest "
+      f"predicted peak of a training step is {mib(lowest)}{how}, "
+      f"{least:.0%} of keeping everything's ({mib(keep_peak)}); training "
+      f"holds {held} besides the step.{what} Raise the budget to {need}, or "
+      f"{fix}.", bound, keep_peak)
