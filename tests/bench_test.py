@@ -263,10 +263,9 @@ def test_max_batch_finds_each_methods_largest_batch_on_a_small_mlp():
   assert all(p <= 24.0 for p in peak.values()), rows
   assert batch["tfremat full"] > batch["none"] > 0, rows
   # The call users make fits every other way's batch, to within the margin
-  # by which it skips a way predicted to fit no more than its best
-  # (`Settings.near_batch`): it does not search a save policy's way, which
-  # fit 1.5% more than every block rematerialized on one CI run.
-  near = planner.DEFAULT_SETTINGS.near_batch
+  # it holds predictions to on the executor (`Settings.reserve`: the other
+  # ways' batches are searched on measured peaks) and a few percent more.
+  near = planner.DEFAULT_SETTINGS.reserve + planner.DEFAULT_SETTINGS.near_batch
   assert batch["tfremat.largest_batch"] >= (1 - near) * max(
       batch.values()), rows
   assert "keras.RematScope" in text  # A row, or why it fails.

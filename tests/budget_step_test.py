@@ -59,15 +59,15 @@ def test_a_compiled_model_is_planned_on_its_own_train_on_batch():
                                 sample_target=y, verbose=0)
   plan = _plan_of(planned)
   assert plan.step == plan.search.step == "train_on_batch"
-  assert "measured on        train_on_batch" in str(plan)
-  assert "measured on train_on_batch" in str(plan.search)
+  assert "predicted on       train_on_batch" in str(plan)
+  assert "on train_on_batch" in str(plan.search)
   # What is held: the weights, Adam's two slots (and its step count and
   # learning rate), the batch; the fraction is of the step's own peak.
   weights = _nbytes(model.variables)
   assert plan.held.weights_bytes == weights
   assert plan.held.optimizer_bytes >= 2 * _nbytes(model.trainable_variables)
   assert plan.held.batch_bytes == _nbytes([x, y])
-  assert plan.step_budget_bytes == int(0.6 * plan.measured_keep.peak_bytes)
+  assert plan.step_budget_bytes == int(0.6 * plan.predicted_keep)
   assert plan.budget_bytes == plan.held_bytes + plan.step_budget_bytes
   assert plan.measured.bound_bytes <= plan.step_budget_bytes
   # The result is compiled as the model was, with the model's optimizer:
@@ -120,7 +120,7 @@ def test_a_byte_budget_counts_what_training_holds():
   keep = tfremat.remat_model(model, budget=1.0, sample_input=x,
                              sample_target=y, verbose=0)
   held = _plan_of(keep).held_bytes
-  step = _plan_of(keep).measured_keep.peak_bytes
+  step = _plan_of(keep).predicted_keep
   budget = held + int(0.6 * step)
   plan = _plan_of(tfremat.remat_model(model, budget=budget, sample_input=x,
                                       sample_target=y, verbose=0))
@@ -219,7 +219,10 @@ def test_a_planned_chain_runs_the_plan_for_the_shape_it_is_traced_for():
   x = tf.random.stateless_normal([8, 32, 32], seed=[1, 2])
   keep = tfremat.remat_sequential(blocks, budget=1.0, sample_input=x,
                                   verbose=0).plan
-  budget = keep.held_bytes + int(0.6 * keep.measured_keep.peak_bytes)
+  # At 65%: the lowest plan fits 40 by about a quarter predicted (at 60%
+  # a check that measured 8% over its prediction on a loaded machine moved
+  # every variant up by the excess, and 40 was refused).
+  budget = keep.held_bytes + int(0.65 * keep.predicted_keep)
   layer = tfremat.remat_sequential(blocks, budget=budget, sample_input=x,
                                    verbose=0)
   assert len(layer.plan.variants) > 1 and layer.plan.shape == (8, 32, 32)

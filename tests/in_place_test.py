@@ -231,8 +231,8 @@ def test_budget_in_place_rematerializes_the_fewest_that_fit():
   assert 0 < len(chosen.layers) < len(blocks), str(chosen)
   assert all(tfremat.is_remat_in_place(b) == (b in chosen.layers)
              for b in blocks)
-  assert chosen.measured.bound_bytes <= chosen.budget_bytes, str(chosen)
-  # Measuring trained nothing: every weight and optimizer slot is back.
+  assert chosen.measured.peak_bytes <= chosen.step_budget_bytes, str(chosen)
+  # Checking trained nothing: every weight and optimizer slot is back.
   assert all(np.array_equal(w.numpy(), b)
              for w, b in zip(model.weights, before))
   assert int(model.optimizer.iterations.numpy()) == 0
@@ -265,14 +265,14 @@ def test_budget_in_place_below_every_layer_says_so_and_changes_nothing():
   with pytest.raises(ValueError, match=r"with all 8 layer\(s\) "
                      r"rematerialized, and nested, nothing fits a budget of "
                      r"1% of the keep-everything peak, .* MiB: the lowest "
-                     r"bound measured is .* \d+% of the measured "
-                     r"keep-everything peak") as caught:
+                     r"predicted peak of a training step is .* \d+% of "
+                     r"keeping everything's") as caught:
     tfremat.remat_in_place_for_budget(
         model, blocks, "1%", data, data,
         settings=planner.Settings(check_calls=2))
   assert isinstance(caught.value, tfremat.errors.BudgetUnreachableError)
-  assert (f"{caught.value.lowest_fraction:.0%} of the measured "
-          "keep-everything peak") in str(caught.value)
+  assert (f"{caught.value.lowest_fraction:.0%} of keeping "
+          "everything's") in str(caught.value)
   assert not any(tfremat.is_remat_in_place(b) for b in blocks)
   assert not any(tfremat.is_remat_in_place(l) for b in blocks
                  for l in b.layers)
@@ -283,7 +283,7 @@ def test_budget_in_place_below_every_layer_says_so_and_changes_nothing():
         settings=planner.Settings(check_calls=2), nested=False)
   assert not any(tfremat.is_remat_in_place(b) for b in blocks)
   # A budget in bytes counts the weights, Adam's two slots and the batch:
-  # below them, it is refused once keeping everything is measured.
+  # below them, it is refused once keeping everything is predicted.
   with pytest.raises(ValueError, match=r"training holds .* MiB: weights .* "
                      r"optimizer .* batch .* before a step allocates"):
     tfremat.remat_in_place_for_budget(
@@ -381,7 +381,8 @@ def test_keras_hub_causal_lm_under_a_budget_stays_a_task():
       lm, lm.backbone.transformer_layers, 0.6, example.text(8),
       settings=planner.Settings(check_calls=3))
   assert type(lm) is keras_hub.models.GPT2CausalLM
-  assert chosen.layers and chosen.measured.bound_bytes <= chosen.budget_bytes
+  assert chosen.layers and (
+      chosen.measured.peak_bytes <= chosen.step_budget_bytes)
   later = measure.peaks(lm.train_on_batch, example.text(8), calls=5)
   assert max(later) <= chosen.budget_bytes, (later, str(chosen))
   lm.fit(example.text(16), batch_size=8, epochs=1, verbose=0)

@@ -6,8 +6,9 @@
 
 `RematSequential` runs a chain of Keras layers, rematerializing the chosen
 segments. `remat_sequential` chooses them: uniformly, or for a memory budget
-by measuring the chain (`measure_chain`) and asking the planner
-(`tfremat.planner`), whose choice `checked_plan` checks by measurement.
+by reading the chain's costs from its traced programs (`measure_chain`) and
+asking the planner (`tfremat.planner`), whose choice `checked_plan` holds
+to the budget by its predicted training step and checks by running it.
 """
 
 from tfremat._src.api.sequential import checked_plan

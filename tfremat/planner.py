@@ -1,8 +1,8 @@
 """Choose what to rematerialize in a chain of layers for a memory budget.
 
   layer = tfremat.remat_sequential(blocks, budget="50%", sample_input=x)
-  print(layer.plan)           # per-layer decisions, measured bound, predictions
-  print(layer.plan.search)    # what was measured to choose it, and why
+  print(layer.plan)           # per-layer decisions, predicted and measured peaks
+  print(layer.plan.search)    # what was predicted to choose it, and why
 
   costs = tfremat.chain.measure_chain(blocks, sample_input)
   plan = tfremat.planner.plan(costs, budget_bytes=200 * 2**20)  # model only
@@ -18,12 +18,14 @@ carries what it runs at other input shapes (`Plan.variants`,
 A plan splits the chain into consecutive segments, each either kept (its
 layers' activations are stored for the backward pass) or rematerialized (only
 the segment's output is stored; the segment reruns in the backward pass). A
-cost model predicts a plan's peak and step time from per-layer measurements,
-and `plan` finds the fastest plan whose predicted peak fits, exactly, by
-dynamic programming. The budget search measures the plans the model
-proposes, holds each to its measured bound (`Measured`) and takes the
-fastest that fits; its `Settings` are one value, and its `Search` record
-says what it measured and why (docs/design.md, "How the planner chooses").
+cost model predicts a plan's peak and step time from per-layer costs read
+from the layers' traced programs, and `plan` finds the fastest plan whose
+predicted peak fits, exactly, by dynamic programming. A budget's planner
+holds the plans the model proposes to the budget by their whole training
+steps' predicted peaks (`tfremat.measure.predict_peak`, plus
+`Plan.margin`) and takes the fastest that fits; its `Settings` are one
+value, and its `Search` record says what it predicted and why
+(docs/design.md, "How the planner chooses").
 """
 
 from tfremat._src import moved

@@ -148,6 +148,15 @@ def _keras_step(model, x, y=None, sample_weight=None, class_weight=None,
     raise errors.InvalidArgumentError(
         "The model runs eagerly (run_eagerly=True): its step is no program "
         "to read. Compile it with run_eagerly=False to predict its peak.")
+  preprocess = getattr(model, "preprocess_samples", None)
+  if preprocess is not None:
+    # A KerasHub task's train_on_batch preprocesses its samples (strings
+    # to token ids) before Keras's step, outside it.
+    import keras  # pylint: disable=g-import-not-at-top
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(
+        preprocess(x, y, sample_weight))
+    x, y, sample_weight = tf.nest.map_structure(
+        tf.convert_to_tensor, (x, y, sample_weight))
   if class_weight is not None:
     # pylint: disable-next=g-import-not-at-top
     from keras.src.trainers.data_adapters import data_adapter_utils

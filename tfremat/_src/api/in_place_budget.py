@@ -10,7 +10,9 @@ from tfremat._src.core import policies
 from tfremat._src.keras_api.layers import keras_layers
 from tfremat._src.keras_api.segments import Segment
 from tfremat._src.planning import budget as budget_lib
+from tfremat._src.planning import choose
 from tfremat._src.planning import search
+from tfremat._src.planning.plan import Measured
 from tfremat._src.planning.cost_model import Budget
 from tfremat._src.planning.runner import InPlaceRunner
 
@@ -27,13 +29,15 @@ class InPlaceBudget:
   Attributes:
     layers: the layers it left rematerialized (the first `len(layers)` of
       those it was given), a tuple.
-    measured: the training step's `tfremat.planner.Measured` peaks so.
-    measured_keep: the same with none rematerialized.
+    measured: the training step's `tfremat.planner.Measured` peaks so,
+      over the check's calls.
+    measured_keep: the step's predicted peak with none rematerialized (a
+      `Measured` over no calls, its bound with the margin).
     budget_bytes: the budget in bytes: what training holds (`held`) and the
       step's tensors.
     nested: whether their own layers are rematerialized too
       (`remat_in_place(layers, nested=True)`).
-    search: what was measured to choose it (`tfremat.planner.Search`).
+    search: what was predicted to choose it (`tfremat.planner.Search`).
     held: what training holds besides the step (`tfremat.planner.Held`).
   """
   layers: tuple
@@ -69,17 +73,17 @@ def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
   """`remat_in_place` on as few of `layers` as keep training within
   `budget`, measured on `model.train_on_batch(x, y)`.
 
-  For a compiled model whose class must stay (a KerasHub task): it measures
-  the step with none of `layers` rematerialized, with all, and then searches
-  (by halving) for the fewest, taken from the front of `layers` (for a
-  chain of repeated blocks, which ones matters little), whose bound fits.
-  If even all of them do not fit, it measures them nested
+  For a compiled model whose class must stay (a KerasHub task): it
+  predicts the step (`tfremat.measure.predict_peak`) with none of `layers`
+  rematerialized, with all, and then searches (by halving) for the fewest,
+  taken from the front of `layers` (for a chain of repeated blocks, which
+  ones matters little), predicted to fit with the margin
+  (`tfremat.planner.Settings.reserve` on TensorFlow's executor, none under
+  XLA). If even all of them do not fit, it predicts them nested
   (`remat_in_place(layers, nested=True)`: slower, lower), unless `nested`
-  is False. It chooses through the planner's one budget search: a choice's
-  bound (`tfremat.planner.Measured`) is the largest peak of
-  `settings.check_calls` steps, plus their spread, plus the reserve. Every
-  variable of the model and of its optimizer is put back after measuring,
-  and the model's train function is traced anew.
+  is False. The choice's step then runs `settings.first_calls` times as a
+  check. Every variable of the model and of its optimizer is put back
+  after the check, and the model's train function is traced anew.
 
   Args:
     model: a compiled Keras model that `layers` belong to.
@@ -87,7 +91,7 @@ def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
       `transformer_layers`.
     budget: bytes or a string with a unit ("200MiB"), which count the
       model's weights, its optimizer's state and the batch besides the
-      step's tensors; or a fraction of the step's measured peak with none
+      step's tensors; or a fraction of the step's predicted peak with none
       rematerialized (0.6, "60%").
     x, y: a batch, as `model.train_on_batch` takes it (a KerasHub task
       takes strings and no `y`).
@@ -102,7 +106,7 @@ def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
   Raises:
     ValueError: the budget cannot be met even with every layer
       rematerialized (a `tfremat.errors.BudgetUnreachableError`: the
-      message and its `lowest_fraction` give the lowest fraction measured),
+      message and its `lowest_fraction` give the lowest fraction predicted),
       or the model is not compiled.
   """
   layers = keras_layers(layers, "remat_in_place_for_budget")
@@ -122,24 +126,27 @@ def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
   tried = "rematerialized, and nested," if nested else "rematerialized,"
   with budget_lib.retracing_quiet():
     try:
-      found = search.search_budget(
-          budget, runner, budget_lib.sample_batch(x, y),
-          lambda trials, step_bytes: _fewest_that_fit(
-              n, policy, nested, trials),
-          rank=lambda c: (c.segments[0].nested, _count(c)),  # Unnested, then fewest.
+      batch = budget_lib.sample_batch(x, y)
+      found = choose.choose_among(
+          budget, runner, batch,
+          lambda trials, room: _fewest_that_fit(n, policy, nested, trials),
+          # Unnested, then fewest.
+          rank=lambda c: (c.segments[0].nested, _count(c)),
           settings=settings,
           refusal=dict(
               subject=(f"remat_in_place_for_budget: with all {n} layer(s) "
                        f"{tried} nothing fits"),
               fix=("give more of the model's layers, a save policy that "
                    "keeps less, or a smaller batch")))
+      chosen = found.chosen.candidate
+      measured = Measured.of(runner.peaks(chosen, batch,
+                                          settings.first_calls))
     finally:
       runner.apply(_first(n, 0, policy, False))
-  chosen = found.chosen.candidate
   runner.apply(chosen)
   count = _count(chosen)
-  return InPlaceBudget(layers[:count], found.chosen.measured,
-                       found.keep.measured, found.budget_bytes,
+  return InPlaceBudget(layers[:count], measured, found.keep.measured,
+                       found.budget_bytes,
                        nested=chosen.segments[0].nested and count > 0,
                        search=found, held=found.held)
 

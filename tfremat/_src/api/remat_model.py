@@ -60,7 +60,8 @@ def remat_model(model, mode="full", output_size_threshold=1024,
       "6GiB") count everything training holds, the weights, the
       optimizer's state (with `sample_target`) and the batch, and the
       training step's own tensors; a fraction (0.5, "50%") is of the step's
-      own peak keeping everything, beyond what is held, at each shape
+      own predicted peak keeping everything, beyond what is held, at each
+      shape
       (where no plan reaches it, as at a batch of a few rows, the lowest
       plan runs if it fits the fraction's bytes at the sample). The model
       is cut at the tensors every path from its inputs to its outputs
@@ -77,18 +78,18 @@ def remat_model(model, mode="full", output_size_threshold=1024,
       this through `fit` and `train_on_batch`).
     sample_input: with `budget`, a batch like those the model trains on
       (under a `tf.distribute` strategy's scope, one replica's batch: each
-      measured step runs in every replica on all of it). With
+      planned step runs in every replica on all of it). With
       mode="larger_than", a batch on which outputs are sized (one inference
       call); without it, an unknown dimension counts as 1.
     sample_target: with `budget`, the targets of `sample_input`: the plan
-      is measured on what `model.train_on_batch(sample_input,
+      is predicted and checked on what `model.train_on_batch(sample_input,
       sample_target)` runs, the model's loss and its optimizer's update
       (`model` must be compiled). Without it, on a stand-in step: the
       gradient of sum(y**2)/2 of the model's outputs, no loss, no
       optimizer. The plan's printout and its `search` say which.
     policies: with `budget`, the save policies the planner may choose
       (built-in names or `tfremat.policies` values, your own included).
-    verbose: with `budget`, 1 shows a progress bar while measuring.
+    verbose: with `budget`, 1 shows a progress bar while planning.
     settings: with `budget`, the planner's `tfremat.planner.Settings`
       (None: the shipped defaults).
 
@@ -108,7 +109,7 @@ def remat_model(model, mode="full", output_size_threshold=1024,
       threshold or layer name, a `sample_target` for a model that is not
       compiled; raised before anything is built.
     tfremat.errors.BudgetUnreachableError (a ValueError): no plan fits
-      `budget`; its `lowest_fraction` is the lowest bound measured, as a
+      `budget`; its `lowest_fraction` is the lowest bound predicted, as a
       fraction of the original's peak. The model is left as it was.
   """
   refuse_keras2(model, "remat_model")

@@ -27,7 +27,7 @@ def remat_sequential(layers, segments=None, budget=None, sample_input=None,
 
     chain = tfremat.remat_sequential(blocks, segments="sqrt")
 
-  or the planner's choice for a memory budget, measured on a sample batch:
+  or the planner's choice for a memory budget, planned on a sample batch:
 
     chain = tfremat.remat_sequential(blocks, budget="50%", sample_input=x)
     print(chain.plan)
@@ -37,32 +37,31 @@ def remat_sequential(layers, segments=None, budget=None, sample_input=None,
       `keras.Sequential` of them.
     segments: an int, or "sqrt" for about sqrt(len(layers)) equal segments,
       every one rematerialized (Chen et al. 2016).
-    budget: instead of `segments`, a memory budget, measured on
+    budget: instead of `segments`, a memory budget, planned on
       `sample_input` with the chain's stand-in training step (the gradient
       of sum(y**2)/2 of its output): bytes as an int or a string with a
       unit ("200MiB"), which count the chain's weights and the batch
-      besides the step's tensors, or a fraction of the measured peak of
+      besides the step's tensors, or a fraction of the predicted peak of
       keeping everything, as a float in (0, 1] or a percentage ("50%"). The
-      planner picks the fastest choice that fits, checked by measurement
-      (`checked_plan`); when nothing else fits, that may be layers
-      rematerialized with their own layers nested inside their reruns.
+      planner picks the fastest choice predicted to fit, checked by
+      running it (`checked_plan`).
       Every variable of `layers` is left as it was.
     sample_input: a batch like the ones the chain will train on.
-    verbose: 1 shows a progress bar while the chain is measured; 0 shows
+    verbose: 1 shows a progress bar while the chain is read; 0 shows
       nothing.
     policy: with `segments`, the save policy (`tfremat.policies`) every
       rematerialized segment runs under.
     policies: with `budget`, the save policies the planner may choose for
       each rematerialized segment, besides recomputing everything: built-in
       names or `tfremat.policies` values, your own included (default:
-      `tfremat.policies.PLANNED`; () for none). Each is measured on every
+      `tfremat.policies.PLANNED`; () for none). Each is read on every
       layer.
     settings: with `budget`, the planner's `tfremat.planner.Settings`.
 
   Returns:
     A `RematSequential` layer; `.plan` holds the planner's Plan when a budget
     was given (also after saving and loading), else None; `.plan.search`
-    what it measured to choose (until saved). At every input shape it runs
+    what it predicted to choose (until saved). At every input shape it runs
     the first of the plan's variants predicted within the budget there
     (`tfremat.planner.Plan.segments_at`), chosen in the step by the shape
     it runs at where the step was traced for any shape, and raises where
@@ -70,9 +69,9 @@ def remat_sequential(layers, segments=None, budget=None, sample_input=None,
     `fit`).
 
   Raises:
-    ValueError, TypeError: bad arguments, before anything is measured.
+    ValueError, TypeError: bad arguments, before anything is traced.
     tfremat.errors.BudgetUnreachableError (a ValueError): no plan fits the
-      budget; its `lowest_fraction` is the lowest bound measured, as a
+      budget; its `lowest_fraction` is the lowest bound predicted, as a
       fraction of keeping everything's peak (`checked_plan`).
   """
   if (segments is None) == (budget is None):
@@ -92,50 +91,48 @@ def remat_sequential(layers, segments=None, budget=None, sample_input=None,
 
 def checked_plan(layers, budget, sample_input, costs=None, verbose=0,
                  policies=(), settings=search.DEFAULT_SETTINGS):
-  """The planner's plan for `layers`, checked by measuring training steps on
-  `sample_input`.
+  """The planner's plan for `layers`, chosen on predicted training steps
+on `sample_input` and checked by running the chosen one.
 
   Args:
     layers: the chain: Keras layers or a `keras.Sequential`.
     budget: the budget, in any form `tfremat.planner.Budget.parse` reads
       (bytes, "200MiB", 0.5, "50%"): bytes count the chain's weights and
-      the batch besides the step's tensors; a fraction is of the measured
+      the batch besides the step's tensors; a fraction is of the predicted
       peak of keeping everything.
-    sample_input: the batch to measure on (in a `tf.distribute` strategy's
+    sample_input: the batch to plan on (in a `tf.distribute` strategy's
       scope, one replica's: every replica steps on all of it).
-    costs: `measure_chain(layers, sample_input)`, if already known.
-    verbose: 1 shows a progress bar over the measurements.
+    costs: the chain's `LayerCost`s, if already known (else read from each
+      layer's traced programs: `measure_chain(..., read=True)`).
+    verbose: 1 shows a progress bar over the layers read.
     policies: save policies (names or values) the planner may choose for a
-      rematerialized segment (measured on each layer unless `costs` is
-      given).
+      rematerialized segment.
     settings: the planner's `tfremat.planner.Settings`.
 
-  Keeping everything is measured first, before any layer: a budget below
-  what is held plus the weight gradients its step returns and their
-  reserve is refused then. Every candidate is measured as `apply_plan` runs
-  it (kept layers gated), over `settings.check_calls` training steps
-  (`settings.first_calls` where those are over). Layers whose own layers
-  are worth rematerializing one at a time inside their reruns
-  (`nest_target`: a transformer layer's attention and feed-forward layers)
-  may be nested in the lowest plan, measured before a budget is refused
-  (docs/design.md, "How the planner chooses"). Each layer's step is also
-  traced with each axis of its input halved, for how its costs grow with
-  the shape, and the plan's variants for other shapes are measured at the
-  sample (`Plan.variants`; docs/design.md, "Every shape a step runs at").
+  Keeping everything's step is predicted first, before any layer is read:
+  a budget below what is held plus the weight gradients its step returns
+  and the margin is refused then. Every candidate is predicted as
+  `apply_plan` runs it (kept layers gated), by
+  `tfremat.measure.predict_peak`, and held to the budget with
+  `Plan.margin`; the plan chosen runs `settings.first_calls` training
+  steps as a check (`Plan.measured`). Each layer's step is also traced
+  with each axis of its input halved, for how its costs grow with the
+  shape (`Plan.variants`; docs/design.md, "Every shape a step runs at").
 
-  Every variable of `layers` is left as it was: measuring runs training
+  Every variable of `layers` is left as it was: the check runs training
   steps, which move BatchNormalization statistics and advance dropout seed
   generators, so their values are put back afterwards.
 
   Returns:
-    The `tfremat.planner.Plan`; its `search` says what was measured.
+    The `tfremat.planner.Plan`; its `search` says what was predicted.
 
   Raises:
-    ValueError: no plan measured fits the budget, or the weight gradients
-      put it out of reach: a `tfremat.errors.BudgetUnreachableError`, whose
-      message gives the lowest bound and what holds it up, whose
-      `lowest_fraction` is that bound as a fraction of keeping
-      everything's peak, and whose `search` is what was measured.
+    ValueError: no plan is predicted to fit the budget, or the weight
+      gradients put it out of reach: a
+      `tfremat.errors.BudgetUnreachableError`, whose message gives the
+      lowest bound and what holds it up, whose `lowest_fraction` is that
+      bound as a fraction of keeping everything's peak, and whose `search`
+      is what was predicted.
   """
   layers = layers_lib.keras_layers(layers, "checked_plan", chain=True)
   budget = Budget.parse(budget)

@@ -152,7 +152,8 @@ def plan_budget(chain, runner, batch, budget, *, policies=(), costs=None,
     plan = choose.choose_plan(
         ((costs if callable(costs) else (lambda: costs)) if costs is not None
          else read, len(units)), budget, runner, batch, settings,
-        floor_bytes=nbytes([u.trainable_weights for u in units]))
+        floor_bytes=nbytes([u.trainable_weights for u in units]),
+        nestable=[in_place.can_nest(nest_target(u)) for u in units])
     shape = tuple(tf.convert_to_tensor(chain.input_of(batch)).shape)
     plan = with_variants(plan.replace(shape=shape), settings)
     plan = _overhead_growth(plan, runner, cuts)
@@ -181,16 +182,26 @@ def _overhead_growth(plan, runner, cuts):
 
 def checked(plan, runner, batch, settings):
   """`plan` with its step run `settings.first_calls` times on `batch`
-  (`Plan.measured`): the prediction's check. Where the largest peak is
-  over what the budget leaves the step, the plan's variants are cut to
-  those predicted lower than it (raising where none is)."""
-  measured = Measured.of(runner.peaks(
-      search.Candidate(plan.segments, plan.ordered), batch,
-      settings.first_calls))
-  plan = plan.replace(measured=measured)
+  (`Plan.measured`: the largest peak), the prediction's check. It runs in
+  a step traced for any size of the axes that may change, as `fit` runs
+  once it has seen a second shape, where a plan with variants runs them in
+  a `tf.switch_case`. Where they do not trace together (under a save
+  policy, a KerasHub `TransformerDecoder`'s rerun in a branch built other
+  ops than its forward pass: `RerunMismatchError`), the plan's own
+  segments become its only variant. Where the largest peak is over what
+  the budget leaves the step, what it held beyond the prediction is added
+  to the variants' predictions (so that a lower one runs at the sample),
+  raising where none is then predicted to fit."""
+  try:
+    peaks = runner.relaxed_peaks(plan, batch, settings.first_calls)
+  except errors.RerunMismatchError:
+    plan = plan.replace(variants=(tuple(plan.segments),))
+    peaks = runner.relaxed_peaks(plan, batch, settings.first_calls)
+  top = max(peaks)
+  plan = plan.replace(measured=Measured(top, top, len(peaks)))
   room = plan.step_budget_bytes
-  if room is not None and measured.peak_bytes > room:
-    over = measured.peak_bytes - plan.predicted_peak_at(plan.shape)
+  if room is not None and top > room:
+    over = top - plan.predicted_peak_at(plan.shape)
     plan = plan.replace(overhead_bytes=plan.overhead_bytes + over)
   plan.segments_at(plan.shape)  # Raises where none fits at the sample.
   return plan
@@ -338,7 +349,11 @@ def retracing_quiet():
 
 
 def sample_batch(x, y=None):
-  """A `Batch` of the sample: each input a tensor."""
-  return Batch(tf.nest.map_structure(tf.convert_to_tensor, x),
-               None if y is None else tf.nest.map_structure(
-                   tf.convert_to_tensor, y))
+  """A `Batch` of the sample: each input a tensor (a list of strings, a
+  KerasHub task's text, one string tensor)."""
+  def tensors(value):
+    if isinstance(value, (list, tuple)) and value and all(
+        isinstance(v, (str, bytes)) for v in value):
+      return tf.convert_to_tensor(value)
+    return tf.nest.map_structure(tf.convert_to_tensor, value)
+  return Batch(tensors(x), None if y is None else tensors(y))

@@ -29,6 +29,7 @@ from tfremat._src.planning.search import Trial
 
 __all__ = [
     "margin_of",
+    "predicted_measured",
     "choose_plan",
 ]
 
@@ -39,7 +40,7 @@ def margin_of(runner, settings):
   return 0.0 if runner.jit else settings.reserve
 
 
-def _predicted(peak, margin):
+def predicted_measured(peak, margin):
   """A `Measured` standing for a prediction: its bound is the peak plus
   the margin, over no calls."""
   extra = int(math.ceil(margin * peak))
@@ -61,16 +62,17 @@ class _Trials:
     return predict(self.costs, list(segments))[1]
 
   def fits(self, segments):
-    return _predicted(self.peaks[segments], self.margin).bound_bytes <= (
-        self.room)
+    bound = predicted_measured(self.peaks[segments], self.margin)
+    return bound.bound_bytes <= self.room
 
-  def add(self, segments, stage, why):
+  def add(self, segments, stage, why, ordered=False):
     segments = tuple(segments)
     if segments not in self.peaks:
-      peak = self.runner.predicted(Candidate(segments), self.batch)
+      candidate = Candidate(segments, ordered)
+      peak = self.runner.predicted(candidate, self.batch)
       self.peaks[segments] = peak
       self.trials.append(Trial(
-          Candidate(segments), stage, why, _predicted(peak, self.margin),
+          candidate, stage, why, predicted_measured(peak, self.margin),
           False, peak))
     return self.peaks[segments]
 
@@ -79,7 +81,8 @@ class _Trials:
     return self.peaks[segments] - self.model(segments)
 
 
-def choose_plan(costs, budget, runner, batch, settings, floor_bytes=0):
+def choose_plan(costs, budget, runner, batch, settings, floor_bytes=0,
+                nestable=None):
   """The fastest plan for `budget` among those the cost model proposes,
   each held to the budget by its predicted peak.
 
@@ -88,7 +91,11 @@ def choose_plan(costs, budget, runner, batch, settings, floor_bytes=0):
   model's fastest plan within the room the budget leaves the chain (the
   step's room less the margin, less what the last prediction held beyond
   the cost model) is predicted; the fastest that fits is chosen. Where
-  none does, the lowest plan is predicted, and chosen if it fits.
+  none does, the lowest plan is predicted, and chosen if it fits; else,
+  where units have layers of their own (`nestable`, per unit), that plan
+  with them nested inside their reruns and the chain run in one op order
+  (unordered, a nested plan's peak moved with thread timing from call to
+  call), chosen if it fits.
 
   `costs` is the chain's LayerCosts, or a pair (a function of none that
   returns them, the chain's length): called once keeping everything is
@@ -117,8 +124,8 @@ def choose_plan(costs, budget, runner, batch, settings, floor_bytes=0):
   fits_keep = found.fits(keep) or budget.fraction == 1.0
   if not fits_keep:
     error = search.floor_error(budget, held.total_bytes + room, held,
-                               _predicted(keep_peak, margin), floor_bytes,
-                               margin)
+                               predicted_measured(keep_peak, margin),
+                               floor_bytes, margin)
     if error is not None:
       error.search = Search(budget, held.total_bytes + room, held,
                             runner.step, settings, tuple(found.trials))
@@ -139,11 +146,19 @@ def choose_plan(costs, budget, runner, batch, settings, floor_bytes=0):
     if best is not None and found.peaks[best] * (1 + margin) >= (
         settings.use_at_least * room):
       break
+  ordered = False
   if best is None:
     lowest = tuple(proposals.lowest_plan(costs).segments)
     found.add(lowest, "lowest", "the lowest plan")
     if found.fits(lowest):
       best = lowest
+  nested = (cost_model.nested_segments(list(lowest), nestable)
+            if best is None else None)
+  if nested:
+    nested = tuple(nested)
+    found.add(nested, "lowest", "the lowest plan, nested, ordered", True)
+    if found.fits(nested):
+      best, ordered = nested, True
   budget_bytes = held.total_bytes + room
   trials = tuple(dataclasses.replace(t, fits=found.fits(t.candidate.segments))
                  for t in found.trials)
@@ -156,7 +171,8 @@ def choose_plan(costs, budget, runner, batch, settings, floor_bytes=0):
                               terms=cost_model.floor_terms(costs))
     error.search = record
     raise error
-  return Plan(costs, best, budget_bytes, budget, held=held, step=runner.step,
+  return Plan(costs, best, budget_bytes, budget, ordered, held=held,
+              step=runner.step,
               overhead_bytes=found.overhead(best), margin=margin,
               predicted_keep=keep_peak, search=record)
 
@@ -184,3 +200,69 @@ def unreachable_error(budget, budget_bytes, held, keep_peak, lowest, margin,
       f"{least:.0%} of keeping everything's ({mib(keep_peak)}); training "
       f"holds {held} besides the step.{what} Raise the budget to {need}, or "
       f"{fix}.", bound, keep_peak)
+
+
+def choose_among(budget, runner, batch, propose, rank, settings,
+                 refusal=None):
+  """The first by `rank` of the candidates `propose` makes that is
+  predicted to fit `budget`, each held to it by its predicted step with
+  the margin, as `choose_plan` holds plans; for proposers other than the
+  cost model (`remat_in_place_for_budget`'s first k layers).
+
+  `propose(trials, room)` returns the next `(Candidate, stage, why)` from
+  the trials so far (the first: keeping everything, whose predicted peak a
+  fraction is of), or None.
+
+  Returns:
+    The `Search`, its `chosen` set.
+
+  Raises:
+    tfremat.errors.BudgetUnreachableError, with `refusal`'s words
+    (`unreachable_error`'s `subject` and `fix`), whose `search` is the
+    record.
+  """
+  budget = Budget.parse(budget)
+  held = runner.held(batch)
+  margin = margin_of(runner, settings)
+  found = _Trials(None, runner, batch, margin, None)
+  keep, stage, why = propose((), None)
+  keep_peak = found.add(keep.segments, stage, why)
+  room = (int(budget.fraction * keep_peak) if budget.fraction is not None
+          else budget.num_bytes - held.total_bytes)
+  found.room = room
+  if not (found.fits(keep.segments) or budget.fraction == 1.0):
+    error = search.floor_error(budget, held.total_bytes + room, held,
+                               predicted_measured(keep_peak, margin), 0,
+                               margin)
+    if error is not None:
+      error.search = Search(budget, held.total_bytes + room, held,
+                            runner.step, settings, tuple(found.trials))
+      raise error
+  candidates = {keep.segments: keep}
+  marked = lambda: tuple(
+      dataclasses.replace(t, fits=found.fits(t.candidate.segments))
+      for t in found.trials)
+  while not (found.fits(keep.segments) or budget.fraction == 1.0):
+    proposal = propose(marked(), room)
+    if proposal is None:
+      break
+    candidate, stage, why = proposal
+    candidates[candidate.segments] = candidate
+    found.add(candidate.segments, stage, why)
+  trials = marked()
+  fitting = sorted((t for t in trials if t.fits or (
+      budget.fraction == 1.0 and t is trials[0])),
+                   key=lambda t: rank(candidates[t.candidate.segments]))
+  chosen = fitting[0] if fitting else None
+  if chosen is not None:
+    chosen = dataclasses.replace(
+        chosen, candidate=candidates[chosen.candidate.segments])
+  record = Search(budget, held.total_bytes + room, held, runner.step,
+                  settings, trials, chosen)
+  if chosen is None:
+    error = unreachable_error(budget, held.total_bytes + room, held,
+                              keep_peak, min(found.peaks.values()), margin,
+                              **(refusal or {}))
+    error.search = record
+    raise error
+  return record

@@ -307,7 +307,7 @@ class Plan:
   @property
   def chooses(self):
     """Whether the plan chooses its segments by the input's shape."""
-    return bool(self.variants) and self.measured is not None and (
+    return bool(self.variants) and (
         self.shape is not None and self.budget is not None)
 
   def predicted_bound_at(self, shape, segments):

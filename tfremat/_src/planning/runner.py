@@ -167,6 +167,16 @@ class Runner:
               step, batch, calls=calls if i == 0 else 1, warmup=i == 0)])
     return found
 
+  def relaxed_peaks(self, plan, batch, calls):
+    """Each of `calls` steps' peaks of `plan` on `batch` (one replica's),
+    in its step traced for any size of the axes that may change, as `fit`
+    runs once it has seen a second shape; what they train is put back."""
+    step = self.build(plan, relaxed=True)
+    batch = self.step_batch(batch)
+    with measure.restoring(self.state()):
+      return [p // self.replicas for p in measure.peaks(
+          step, batch, calls=calls)]
+
   def predicted(self, candidate, batch):
     """`candidate`'s training step's peak on `batch` (one replica's),
     read from its program (`tfremat.measure.predict_peak`): nothing runs."""
