@@ -3,7 +3,6 @@ training step a user traces for that batch, and it is the largest multiple
 the lowest plan is predicted to fit."""
 
 import keras
-import pytest
 import tensorflow as tf
 
 import tfremat

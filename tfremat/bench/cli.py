@@ -152,8 +152,8 @@ def _run_max_batch():
   if len(names) > 1 and rows:
     print(f"all models:\n{tables.format_batch_table(rows, memory)}")
   print(tables.BATCH_LEGEND.format(
-      rounds=FLAGS.steps, check_calls=planner.DEFAULT_SETTINGS.check_calls,
-      first_calls=planner.DEFAULT_SETTINGS.first_calls,
+      rounds=FLAGS.steps, check_calls=max_batch.CHECK_CALLS,
+      first_calls=max_batch.FIRST_CALLS,
       reserve=planner.DEFAULT_SETTINGS.reserve))
 
 

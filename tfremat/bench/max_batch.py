@@ -13,13 +13,13 @@ training fits the memory, and each one's examples per second at that batch:
   tfremat full          every block (or `remat_model(model, "full")`)
   tfremat policy        the same under the built-in save policy that fits
                         the largest batch (`tfremat.policies.PLANNED`)
-  tfremat.largest_batch the call users make: the largest batch of those
-                        ways (full, the planner's plan, none) and the
-                        fastest of them there
+  tfremat.largest_batch the call users make: the largest batch the
+                        lowest plan is predicted to fit, and the
+                        planner's plan there
 
 The memory counts everything training holds: the weights, the optimizer's
-state, the batch and the training step's tensors. Every row's batch is
-judged by one rule, a planned budget's (`search.checked_peaks`): the step's
+state, the batch and the training step's tensors. Every row but
+largest_batch's is searched on measurements (`_checked_peaks`): the step's
 bound (the largest peak of its calls, plus their spread, plus the reserve)
 plus what is held, within the memory, on a step traced for that batch.
 
@@ -45,7 +45,6 @@ from tfremat import models
 from tfremat import planner
 from tfremat import policies
 from tfremat._src.api.largest_batch import search_batch
-from tfremat._src.planning import search
 from tfremat._src.planning.runner import Batch
 from tfremat._src.planning.runner import fit_step
 from tfremat._src.planning.runner import nbytes
@@ -57,6 +56,8 @@ __all__ = [
     "methods",
     "measure_model",
     "needs",
+    "FIRST_CALLS",
+    "CHECK_CALLS",
 ]
 
 MODELS = ("mlp", "transformer", "GPT2Backbone", "ResNet50")
@@ -271,6 +272,26 @@ def _whole_methods(name):
   return found
 
 
+# The bench's rule for a method at a batch, on measurements: this many
+# calls a probe, and up to `CHECK_CALLS` where their bound fits
+# (`largest_batch`'s row is its own, on predictions).
+FIRST_CALLS, CHECK_CALLS = 3, 10
+
+
+def _checked_peaks(step, limit_bytes, settings, done, probe):
+  """`FIRST_CALLS` calls of `step`, then up to `CHECK_CALLS` where their
+  bound (largest, plus spread, plus `settings.reserve`) fits (not while
+  probing). Returns every peak, `done` (already measured) first."""
+  peaks = list(done)
+  if len(peaks) < FIRST_CALLS:
+    peaks += step.peaks(None, None, FIRST_CALLS - len(peaks))
+  if probe or len(peaks) >= CHECK_CALLS:
+    return peaks
+  if planner.Measured.of(peaks, settings.reserve).bound_bytes <= limit_bytes:
+    peaks += step.peaks(None, None, CHECK_CALLS - len(peaks))
+  return peaks
+
+
 class _Failed(Exception):
   """A method's step failed to build or run (not a budget it refused)."""
 
@@ -278,8 +299,8 @@ class _Failed(Exception):
 def _search(method, memory_bytes, first, multiple, settings, only_at=None):
   """(batch, {batch: (step, Measured)}): the largest multiple at which the
   method's step plus what is held fits, probed with `settings.first_calls`
-  calls each and checked at the end by the planner's rule
-  (`search.checked_peaks`); with `only_at`, that batch alone is tried. A
+  calls each and checked at the end over `settings.check_calls`
+  (`_checked_peaks`); with `only_at`, that batch alone is tried. A
   step that fails raises `_Failed`: a smaller batch would fail the same
   way."""
   cache = {}
@@ -288,9 +309,8 @@ def _search(method, memory_bytes, first, multiple, settings, only_at=None):
     done = cache.get(batch)
     try:
       step = done[0] if done else _Step(*method.make(batch))
-      peaks = search.checked_peaks(
-          step, None, None, memory_bytes - step.held_bytes, settings,
-          done=done[2] if done else (), probe=probe)
+      peaks = _checked_peaks(step, memory_bytes - step.held_bytes, settings,
+                             done[2] if done else (), probe)
     except tf.errors.ResourceExhaustedError:
       return None
     except (ValueError, TypeError, tf.errors.OpError) as e:

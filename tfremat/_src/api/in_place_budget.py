@@ -81,7 +81,7 @@ def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
   (`tfremat.planner.Settings.reserve` on TensorFlow's executor, none under
   XLA). If even all of them do not fit, it predicts them nested
   (`remat_in_place(layers, nested=True)`: slower, lower), unless `nested`
-  is False. The choice's step then runs `settings.first_calls` times as a
+  is False. The choice's step then runs `settings.check_calls` times as a
   check. Every variable of the model and of its optimizer is put back
   after the check, and the model's train function is traced anew.
 
@@ -140,7 +140,7 @@ def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
                    "keeps less, or a smaller batch")))
       chosen = found.chosen.candidate
       measured = Measured.of(runner.peaks(chosen, batch,
-                                          settings.first_calls))
+                                          settings.check_calls))
     finally:
       runner.apply(_first(n, 0, policy, False))
   runner.apply(chosen)

@@ -32,7 +32,6 @@ from tfremat._src.planning import profile
 from tfremat._src.planning import proposals
 from tfremat._src.planning import search
 from tfremat._src.planning.cost_model import Budget
-from tfremat._src.planning.plan import Measured
 from tfremat._src.planning.runner import ChainRunner
 from tfremat._src.api import remat_model as remat_model_lib
 

@@ -114,7 +114,7 @@ on `sample_input` and checked by running the chosen one.
   and the margin is refused then. Every candidate is predicted as
   `apply_plan` runs it (kept layers gated), by
   `tfremat.measure.predict_peak`, and held to the budget with
-  `Plan.margin`; the plan chosen runs `settings.first_calls` training
+  `Plan.margin`; the plan chosen runs `settings.check_calls` training
   steps as a check (`Plan.measured`). Each layer's step is also traced
   with each axis of its input halved, for how its costs grow with the
   shape (`Plan.variants`; docs/design.md, "Every shape a step runs at").

@@ -29,7 +29,6 @@ __all__ = [
     "nest_target",
     "call_link",
     "RematSequential",
-    "Probe",
     "SOURCE_OPS",
 ]
 
@@ -218,9 +217,6 @@ class RematSequential(keras.layers.Layer):
     # The steps of each segments run, gated or not; not tracked by Keras
     # (their layers are this chain's, already tracked in `steps`).
     self._made = _Steps({(tuple(segments), self.gated): self.steps})
-    # Where the planner checks each variant (`Plan.choose_in_graph`'s
-    # `force`); not tracked, not saved.
-    self.probe = Probe()
 
   def _steps_of(self, segments, gated=None):
     """The layers that run `segments` of the chain, in order (kept layers
@@ -289,8 +285,7 @@ class RematSequential(keras.layers.Layer):
       # a constant and only its branch is kept; it drops assertions.
       index, _ = self.plan.choose_in_graph(tf.shape(x))
     else:
-      index, check = self.plan.choose_in_graph(tf.shape(x),
-                                               force=self.probe.variable)
+      index, check = self.plan.choose_in_graph(tf.shape(x))
       with tf.control_dependencies([check]):
         x = tf.identity(x)
     if len(self.plan.variants) == 1:  # A nested or ordered plan.
@@ -394,15 +389,6 @@ class _Steps:
     if key not in self._made:
       self._made[key] = make()
     return self._made[key]
-
-
-class Probe:
-  """A variable that, while the planner checks a plan's variants, forces
-  the one a chain runs (-1: the plan's choice). A plain object, so that
-  Keras neither tracks nor saves it."""
-
-  def __init__(self):
-    self.variable = None
 
 
 def _static_shape(x):

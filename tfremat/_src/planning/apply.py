@@ -17,8 +17,7 @@ __all__ = [
 ]
 
 
-def apply_plan(layers, plan, *, chain=None, place=False, probe=None,
-               **kwargs):
+def apply_plan(layers, plan, *, chain=None, place=False, **kwargs):
   """The chain `layers` run as `plan` says.
 
   Args:
@@ -31,8 +30,6 @@ def apply_plan(layers, plan, *, chain=None, place=False, probe=None,
     place: rematerialize `layers` where they are, in their model
       (`remat_in_place`, nested where a segment is), instead of building a
       chain: each rematerialized segment's layers under its policy.
-    probe: a `chain_layers.Probe` the chain's choice of variant reads
-      (the planner's check of each variant).
     **kwargs: for the `RematSequential` (its `name`, say).
 
   Returns:
@@ -52,8 +49,6 @@ def apply_plan(layers, plan, *, chain=None, place=False, probe=None,
   planned = RematSequential(layers, plan.segments,
                             plan=plan if isinstance(plan, Plan) else None,
                             ordered=plan.ordered, gated=True, **kwargs)
-  if probe is not None:
-    planned.probe = probe
   return planned if chain is None else chain.model_with(planned)
 
 

@@ -1,10 +1,11 @@
-"""Planning a chain for a budget, in one direction: profile (each unit's
-costs on the sample, and how they grow with its shape, read from its step
-traced again with each axis halved) -> costs -> the search
-(`search.search_budget`: candidates from the cost model, each checked by
-measuring the runner's training step) -> the plan, with the plans it runs
-at other shapes (`Plan.variants`). The entry points hand in the chain, the
-runner and the batch; `apply.apply_plan` then turns the plan into layers.
+"""Planning a chain for a budget, in one direction: read (each unit's
+costs on the sample, and how they grow with its shape, from its traced
+programs) -> costs -> the choice (`choose.choose_plan`: the cost model's
+proposals, each held to the budget by its whole training step's predicted
+peak) -> the plan, with the plans it runs at other shapes
+(`Plan.variants`) -> its check (the chosen plan's step run a few times).
+The entry points hand in the chain, the runner and the batch;
+`apply.apply_plan` then turns the plan into layers.
 """
 
 import contextlib
@@ -34,7 +35,6 @@ from tfremat._src.planning.runner import nbytes
 __all__ = [
     "Chain",
     "plan_budget",
-    "profiled",
     "perturbed",
     "with_variants",
     "planning_arguments",
@@ -58,16 +58,6 @@ class Chain:
 
   def context_of(self, batch):
     return None if self.context is None else self.context(batch.x)
-
-
-def profiled(chain, batch, policies, settings, progress=None, cuts=None):
-  """The chain's LayerCosts on `batch` (`profile.measure_chain`), with how
-  they grow with its shape (`cuts`: `perturbed`, if already made)."""
-  return profile.measure_chain(
-      chain.units, chain.input_of(batch), policies=policies,
-      waiting_fraction=settings.waiting_fraction, progress=progress,
-      context=chain.context_of(batch),
-      perturbed=perturbed(chain, batch) if cuts is None else cuts)
 
 
 def perturbed(chain, batch):
@@ -181,7 +171,7 @@ def _overhead_growth(plan, runner, cuts):
 
 
 def checked(plan, runner, batch, settings):
-  """`plan` with its step run `settings.first_calls` times on `batch`
+  """`plan` with its step run `settings.check_calls` times on `batch`
   (`Plan.measured`: the largest peak), the prediction's check. It runs in
   a step traced for any size of the axes that may change, as `fit` runs
   once it has seen a second shape, where a plan with variants runs them in
@@ -193,10 +183,10 @@ def checked(plan, runner, batch, settings):
   to the variants' predictions (so that a lower one runs at the sample),
   raising where none is then predicted to fit."""
   try:
-    peaks = runner.relaxed_peaks(plan, batch, settings.first_calls)
+    peaks = runner.relaxed_peaks(plan, batch, settings.check_calls)
   except errors.RerunMismatchError:
     plan = plan.replace(variants=(tuple(plan.segments),))
-    peaks = runner.relaxed_peaks(plan, batch, settings.first_calls)
+    peaks = runner.relaxed_peaks(plan, batch, settings.check_calls)
   top = max(peaks)
   plan = plan.replace(measured=Measured(top, top, len(peaks)))
   room = plan.step_budget_bytes
@@ -215,7 +205,7 @@ def with_variants(plan, settings):
   """`plan` with the segments it runs at other input shapes
   (`Plan.variants`): at each of `_LADDER` times the sample's size along
   each axis, the fastest plan the cost model predicts within the budget
-  there (aimed `settings.aim_below` under it), then the lowest plan; this
+  there (with the margin), then the lowest plan; this
   plan's own; the fastest first, at most `settings.variants` (the fastest,
   this plan's and the lowest kept). A nested or ordered plan is its only
   variant."""
@@ -251,24 +241,6 @@ def with_variants(plan, settings):
     step = len(rest) / room
     keep |= {rest[int(i * step)] for i in range(min(room, len(rest)))}
   return plan.replace(variants=tuple(v for v in ordered if v in keep))
-
-
-class _Counted:
-  """`runner`, advancing `progress` by one per candidate it measures."""
-
-  def __init__(self, runner, progress):
-    self._runner, self._progress = runner, progress
-    self.step = runner.step
-    self._last = None
-
-  def held(self, batch):
-    return self._runner.held(batch)
-
-  def peaks(self, candidate, batch, calls, every_program=False):
-    if self._progress is not None and candidate != self._last:
-      self._progress.add(1)
-    self._last = candidate
-    return self._runner.peaks(candidate, batch, calls, every_program)
 
 
 def _built_variables(chain, batch):

@@ -343,14 +343,13 @@ class Plan:
       return self.variants[-1]
     raise _unreachable(self, shape)
 
-  def choose_in_graph(self, shape, force=None):
+  def choose_in_graph(self, shape):
     """In the graph being built, for an input of dynamic `shape` (an int
     tensor): the index into `variants` that `segments_at` chooses, and an
     assertion, to run before the chain, that some variant fits (it fails
-    naming the shape, the budget and the lowest variant's predicted bound).
-    `force`, a variable, overrides the choice where it is not negative
-    (the planner's check of each variant)."""
-    return _choose_in_graph(self, shape, force)
+    naming the shape, the budget and the lowest variant's predicted
+    bound)."""
+    return _choose_in_graph(self, shape)
 
   def get_config(self):
     """A JSON-able dict; `Plan.from_config` makes the same Plan from it
@@ -418,7 +417,7 @@ def _rows(plan_, segments):
   return model + growth.maximum(Rows.constant(over), size * over)
 
 
-def _choose_in_graph(plan_, shape, force):
+def _choose_in_graph(plan_, shape):
   """`Plan.choose_in_graph`."""
   n = plan_.num_axes
   ratios = tf.cast(shape[:n], tf.float64) / tf.constant(
@@ -441,9 +440,6 @@ def _choose_in_graph(plan_, shape, force):
                                  output_type=tf.int32), len(plan_.variants) - 1)
   if plan_.budget.fraction is not None:
     ok = tf.logical_or(ok, bounds[-1] <= plan_.allowed_at(plan_.shape))
-  if force is not None:
-    index = tf.where(force >= 0, force, index)
-    ok = tf.logical_or(ok, force >= 0)
   message = (f"tfremat: no rematerialization plan is predicted to fit the "
              f"budget of {plan_.budget} at this input shape (planned at "
              f"{plan_.shape}); raise the budget, train on smaller inputs, or "

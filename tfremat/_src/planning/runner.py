@@ -1,9 +1,13 @@
-"""What runs a candidate's training step: the one thing in planning that runs
-a model. A search hands candidates (segments, ordered) and batches to a
-runner, which applies each through `apply_plan`, builds its step once, and
-returns the peaks of N calls at a batch, their times, and what training
-holds besides the step; everything it trains is put back after each
-measurement. Tests hand the searches a stand-in runner instead.
+"""What traces and runs a candidate's training step: the one thing in
+planning that touches a model's step. The planner hands a runner
+candidates (segments, ordered) and batches; it applies each through
+`apply_plan` and predicts its step's peak from the program (`predicted`,
+`tfremat.measure.predict_peak`), or runs the chosen plan's step to check it
+(`relaxed_peaks`, in a step traced for any size of the axes that may
+change, as `fit` runs once it has seen a second shape; `peaks`, in one
+traced for the batch's shapes), and says what training holds besides the
+step; everything a check trains is put back. Tests hand the planner a
+stand-in runner instead.
 
   ChainRunner    a chain of layers (`remat_sequential`, the builder): the
                  stand-in step, the gradient of sum(y**2)/2 of its output
@@ -12,12 +16,6 @@ measurement. Tests hand the searches a stand-in runner instead.
                  training step (its `train_step`: its loss, its
                  optimizer's update) given targets, else the stand-in step
                  of the whole model
-
-A candidate's step is traced for the batch's shapes, as `fit` traces its
-first; a plan's variants are also run in a step traced for any size of the
-axes that may change (`variant_peaks`, `measure.RelaxedFunction`), as `fit`
-traces it once it has seen a second shape. Either can hold more than the
-other (TensorFlow drops copies at known shapes, and rewrites differently).
   InPlaceRunner  a compiled model whose layers are rematerialized where
                  they are (`remat_in_place_for_budget`): `train_on_batch`
 """
@@ -30,7 +28,6 @@ import tensorflow as tf
 
 from tfremat._src import measuring as measure
 from tfremat._src import predicting
-from tfremat._src.keras_api.chain_layers import Probe
 from tfremat._src.planning import apply
 from tfremat._src.planning import profile
 from tfremat._src.planning.plan import Held
@@ -118,8 +115,7 @@ class Runner:
   jit = False  # Whether its steps are compiled by XLA.
 
   def __init__(self):
-    self._built = {}  # (Candidate, relaxed) -> what runs its step.
-    self._last = {}  # (Candidate, relaxed) -> the shapes it last ran on.
+    self._built = {}  # Candidate -> what runs its step.
     # Under a tf.distribute strategy, a budget is one replica's: the
     # replicas that share the measured memory are divided out, and
     # train_on_batch takes a batch for every replica.
@@ -139,33 +135,12 @@ class Runner:
     """What training holds besides the step on `batch` (a `Held`)."""
     raise NotImplementedError
 
-  def build(self, candidate, probe=None, relaxed=False):
+  def build(self, candidate, relaxed=False):
     """The function of a `Batch` that runs `candidate`'s training step,
     traced for the batch's shapes, or with `relaxed` for any size of the
-    axes that may change (a Plan's: its chain's choice of variant reading
-    `probe`)."""
+    axes that may change (a Plan's: its chain chooses its variant in the
+    step)."""
     raise NotImplementedError
-
-  def variant_peaks(self, plan, batches, calls):
-    """Each of `plan`'s variants' peaks on each of `batches` (a list per
-    batch, of a list per variant: `calls` steps on the first batch, one on
-    each other), in a step traced once for any shape: the plan applied,
-    every variant in a `tf.switch_case`, each forced in turn through the
-    chain's `Probe`. What they train is put back."""
-    probe = Probe()
-    probe.variable = tf.Variable(-1, trainable=False, dtype=tf.int32)
-    step = self.build(plan, probe, relaxed=True)
-    found = []
-    with measure.restoring(self.state()):
-      for i, batch in enumerate(batches):
-        batch = self.step_batch(batch)
-        found.append([])
-        for index in range(len(plan.variants)):
-          probe.variable.assign(index)
-          # The step is traced, and each variant warmed, at the first.
-          found[-1].append([p // self.replicas for p in measure.peaks(
-              step, batch, calls=calls if i == 0 else 1, warmup=i == 0)])
-    return found
 
   def relaxed_peaks(self, plan, batch, calls):
     """Each of `calls` steps' peaks of `plan` on `batch` (one replica's),
@@ -189,48 +164,20 @@ class Runner:
     By default the stand-in step of what `build` applies."""
     raise NotImplementedError
 
-  # The programs a candidate's check measures: traced for the batch's
-  # shapes (False) and, for a runner that sets it, for any shape (True).
-  programs = (False,)
+  def _run(self, candidate):
+    if candidate not in self._built:
+      self._built[candidate] = self.build(candidate)
+    return self._built[candidate]
 
-  def _run(self, candidate, relaxed=False):
-    if (candidate, relaxed) not in self._built:
-      self._built[candidate, relaxed] = self.build(candidate, relaxed=relaxed)
-    return self._built[candidate, relaxed]
-
-  def _warm_up(self, candidate, batch, relaxed=False):
-    """Calls the step once, unmeasured, where it last ran on other shapes
-    (which traces it for these, unless `relaxed`)."""
-    shape = tuple(tuple(t.shape) for t in tf.nest.flatten([batch.x, batch.y])
-                  if t is not None)
-    if self._last.get((candidate, relaxed)) != shape:
-      measure.wait_for(self._run(candidate, relaxed)(batch))
-      self._last[candidate, relaxed] = shape
-
-  def peaks(self, candidate, batch, calls, every_program=False):
+  def peaks(self, candidate, batch, calls):
     """Every call's peak of `calls` training steps of `candidate` on
     `batch` (one replica's, under a strategy), in a step traced for the
-    batch's shapes; with `every_program`, each call's larger of that and
-    the other `programs`. What they trained is put back."""
-    batch = self.step_batch(batch)
-    found = []
-    with measure.restoring(self.state()):
-      for relaxed in self.programs if every_program else (False,):
-        self._warm_up(candidate, batch, relaxed)
-        found.append(measure.peaks(self._run(candidate, relaxed), batch,
-                                   calls=calls, warmup=False))
-    return [max(p) // self.replicas for p in zip(*found)]
-
-  def seconds(self, candidates, batch, rounds):
-    """The median seconds of each candidate's step on `batch`, over
-    `rounds` rounds calling each once, in shuffled order."""
+    batch's shapes (the first call traces it, unmeasured). What they
+    trained is put back."""
     batch = self.step_batch(batch)
     with measure.restoring(self.state()):
-      for candidate in candidates:
-        self._warm_up(candidate, batch)
-      return measure.median_seconds(
-          [functools.partial(self._run(c), batch) for c in candidates],
-          repeats=rounds, warmup=False)
+      return [p // self.replicas for p in measure.peaks(
+          self._run(candidate), batch, calls=calls)]
 
 
 def _stand_in(layer, relaxed=False):
@@ -246,8 +193,6 @@ class ChainRunner(Runner):
   def __init__(self, layers):
     super().__init__()
     self.layers = layers
-    if not tf.distribute.has_strategy():
-      self.programs = (False, True)
 
   def state(self):
     return [v for l in self.layers for v in l.variables]
@@ -256,9 +201,8 @@ class ChainRunner(Runner):
     return Held(weights_bytes=nbytes([l.variables for l in self.layers]),
                 batch_bytes=batch.nbytes)
 
-  def build(self, candidate, probe=None, relaxed=False):
-    return _stand_in(apply.apply_plan(self.layers, candidate, probe=probe),
-                     relaxed)
+  def build(self, candidate, relaxed=False):
+    return _stand_in(apply.apply_plan(self.layers, candidate), relaxed)
 
   def predictable(self, candidate, batch):
     return (profile.training_step(apply.apply_plan(self.layers, candidate)),
@@ -337,8 +281,6 @@ class ModelRunner(Runner):
     self.model, self.chain, self.units, self.fit = model, chain, units, fit
     self.step = TRAIN_ON_BATCH if fit else STAND_IN
     self.jit = fit and model.jit_compile is True
-    if not tf.distribute.has_strategy() and not self.jit:
-      self.programs = (False, True)
 
   def state(self):
     return _state(self.model) if self.fit else list(self.model.variables)
@@ -349,9 +291,9 @@ class ModelRunner(Runner):
   def step_batch(self, batch):
     return _global(batch, self.in_sync) if self.fit else batch
 
-  def build(self, candidate, probe=None, relaxed=False):
+  def build(self, candidate, relaxed=False):
     planned = apply.apply_plan(self.units, candidate, chain=self.chain,
-                               name=f"{self.model.name}_chain", probe=probe)
+                               name=f"{self.model.name}_chain")
     if not self.fit:
       return _stand_in(planned, relaxed)
     apply.compiled_like(planned, self.model)
@@ -386,8 +328,8 @@ class InPlaceRunner(Runner):
   def step_batch(self, batch):
     return _global(batch, self.in_sync)
 
-  def build(self, candidate, probe=None, relaxed=False):
-    del probe, relaxed  # Rematerialized in place: one plan, no variants.
+  def build(self, candidate, relaxed=False):
+    del relaxed  # Rematerialized in place: one plan, no variants.
 
     def run(batch):
       if self._current != candidate:
@@ -406,4 +348,3 @@ class InPlaceRunner(Runner):
     self.model.make_train_function(force=True)
     object.__setattr__(self.model, "_tfremat_traced_for", None)
     self._current = candidate
-    self._last.clear()  # The train function is traced anew.
