@@ -467,7 +467,7 @@ def test_plan_prints_the_same_after_a_keras_file(tmp_path):
   keras.Model(inputs, layer(inputs)).save(tmp_path / "m.keras")
   loaded = keras.models.load_model(tmp_path / "m.keras").layers[1]
   assert str(loaded.plan) == str(layer.plan)
-  assert "100% of the measured peak of keeping" in str(loaded.plan)
+  assert "100% of the predicted peak of keeping" in str(loaded.plan)
   assert loaded.segments == layer.segments
 
 

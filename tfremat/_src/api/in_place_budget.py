@@ -61,11 +61,10 @@ class InPlaceBudget:
     nested = ", nested," if self.nested else ""
     held = f"; training holds {self.held} besides" if self.held else ""
     return (f"{len(self.layers)} layer(s){nested} rematerialized in place: "
-            f"training step peak {mib(self.measured.peak_bytes)} "
+            f"training step peak {mib(self.measured.peak_bytes)} measured "
             f"({self.measured.peak_bytes / keep:.2f}x of {mib(keep)} "
-            f"without), bound {mib(self.measured.bound_bytes)} within "
-            f"{mib(self.step_budget_bytes)} of the budget of "
-            f"{mib(self.budget_bytes)}{held}")
+            f"predicted without) within {mib(self.step_budget_bytes)} of "
+            f"the budget of {mib(self.budget_bytes)}{held}")
 
 
 def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,

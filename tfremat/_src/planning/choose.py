@@ -131,34 +131,8 @@ def choose_plan(costs, budget, runner, batch, settings, floor_bytes=0,
                             runner.step, settings, tuple(found.trials))
       raise error
   costs = found.costs = list(costs_of())
-  best = keep if fits_keep else None
-  last = keep
-  for _ in range(settings.rounds if best is None else 0):
-    target = room / (1 + margin) - found.overhead(last)
-    segments = cost_model.fastest(costs, target)
-    if segments is None or tuple(segments) in found.peaks:
-      break
-    last = tuple(segments)
-    found.add(last, "model", "the cost model's fastest within the room")
-    if found.fits(last) and (best is None or
-                             found.seconds(last) < found.seconds(best)):
-      best = last
-    if best is not None and found.peaks[best] * (1 + margin) >= (
-        settings.use_at_least * room):
-      break
-  ordered = False
-  if best is None:
-    lowest = tuple(proposals.lowest_plan(costs).segments)
-    found.add(lowest, "lowest", "the lowest plan")
-    if found.fits(lowest):
-      best = lowest
-  nested = (cost_model.nested_segments(list(lowest), nestable)
-            if best is None else None)
-  if nested:
-    nested = tuple(nested)
-    found.add(nested, "lowest", "the lowest plan, nested, ordered", True)
-    if found.fits(nested):
-      best, ordered = nested, True
+  best, ordered = (keep, False) if fits_keep else _proposed(
+      found, costs, settings, nestable)
   budget_bytes = held.total_bytes + room
   trials = tuple(dataclasses.replace(t, fits=found.fits(t.candidate.segments))
                  for t in found.trials)
@@ -175,6 +149,39 @@ def choose_plan(costs, budget, runner, batch, settings, floor_bytes=0,
               step=runner.step,
               overhead_bytes=found.overhead(best), margin=margin,
               predicted_keep=keep_peak, search=record)
+
+
+def _proposed(found, costs, settings, nestable):
+  """(segments, ordered) of the fastest plan the cost model proposes that
+  `found` predicts to fit (`choose_plan`'s rounds, then the lowest plan,
+  then it nested and ordered), or (None, False)."""
+  best, last, margin = None, tuple(keep_all(len(costs))), found.margin
+  for _ in range(settings.rounds):
+    target = found.room / (1 + margin) - found.overhead(last)
+    segments = cost_model.fastest(costs, target)
+    if segments is None or tuple(segments) in found.peaks:
+      break
+    last = tuple(segments)
+    found.add(last, "model", "the cost model's fastest within the room")
+    if found.fits(last) and (best is None or
+                             found.seconds(last) < found.seconds(best)):
+      best = last
+    if best is not None and found.peaks[best] * (1 + margin) >= (
+        settings.use_at_least * found.room):
+      return best, False
+  if best is not None:
+    return best, False
+  lowest = tuple(proposals.lowest_plan(costs).segments)
+  found.add(lowest, "lowest", "the lowest plan")
+  if found.fits(lowest):
+    return lowest, False
+  nested = cost_model.nested_segments(list(lowest), nestable)
+  if nested:
+    nested = tuple(nested)
+    found.add(nested, "lowest", "the lowest plan, nested, ordered", True)
+    if found.fits(nested):
+      return nested, True
+  return None, False
 
 
 def unreachable_error(budget, budget_bytes, held, keep_peak, lowest, margin,
