@@ -265,7 +265,7 @@ def test_max_batch_finds_each_methods_largest_batch_on_a_small_mlp():
   # The call users make fits every other way's batch, to within the margin
   # it holds predictions to on the executor (`Settings.reserve`: the other
   # ways' batches are searched on measured peaks) and a few percent more.
-  near = planner.DEFAULT_SETTINGS.reserve + planner.DEFAULT_SETTINGS.near_batch
+  near = planner.DEFAULT_SETTINGS.reserve + 0.04
   assert batch["tfremat.largest_batch"] >= (1 - near) * max(
       batch.values()), rows
   assert "keras.RematScope" in text  # A row, or why it fails.

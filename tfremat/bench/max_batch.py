@@ -298,7 +298,7 @@ class _Failed(Exception):
 
 def _search(method, memory_bytes, first, multiple, settings, only_at=None):
   """(batch, {batch: (step, Measured)}): the largest multiple at which the
-  method's step plus what is held fits, probed with `settings.first_calls`
+  method's step plus what is held fits, probed with `FIRST_CALLS`
   calls each and checked at the end over `settings.check_calls`
   (`_checked_peaks`); with `only_at`, that batch alone is tried. A
   step that fails raises `_Failed`: a smaller batch would fail the same

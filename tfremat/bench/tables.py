@@ -197,8 +197,9 @@ batch: the largest batch whose training fits the memory, searched in
   (bound MiB: the largest peak of {check_calls} steps, plus their spread,
   plus the {reserve:.0%} reserve), every row but tfremat.largest_batch's
   (which plans on predictions and checks its plan) judged on a step traced
-  for that batch ({first_calls} steps a probe, then {check_calls}). peak MiB: the largest of those peaks (the tensors' bytes,
-  as tfremat.measure.peak_bytes counts them). The chains (mlp,
+  for that batch ({first_calls} steps a probe, then {check_calls}).
+  peak MiB: the largest of those peaks (the tensors' bytes, as
+  tfremat.measure.peak_bytes counts them). The chains (mlp,
   transformer) run their stand-in step, the gradient of the sum of their
   squared outputs; the whole models their own train_on_batch (Adam; sparse
   cross-entropy on ResNet50's 10 classes, mean squared error on
