@@ -162,9 +162,8 @@ class RematSequential(keras.layers.Layer):
       length), each time the step runs, by the shape it runs at: every
       variant is traced, and a `tf.switch_case` runs the chosen one. Where
       none fits, the call raises (at trace time, or as the step runs,
-      before the chain does). Under XLA, which compiles a step traced for
-      any shape once per concrete shape, the choice is made there too,
-      without the check (XLA drops assertions).
+      before the chain does). Under XLA a step traced for any shape runs
+      the lowest variant, without the check (XLA drops assertions).
     policy: the save policy of rematerialized segments that name none.
     gated: each kept layer hands its input gradient on only after its
       weight gradients are computed, as a rematerialized segment does
@@ -281,13 +280,14 @@ class RematSequential(keras.layers.Layer):
     the branch's whole backward pass ended."""
     if control_flow_util.GraphOrParentsInXlaContext(
         tf.compat.v1.get_default_graph()):
-      # XLA compiles the step for each concrete shape, where the choice is
-      # a constant and only its branch is kept; it drops assertions.
-      index, _ = self.plan.choose_in_graph(tf.shape(x))
-    else:
-      index, check = self.plan.choose_in_graph(tf.shape(x))
-      with tf.control_dependencies([check]):
-        x = tf.identity(x)
+      # XLA compiled a switch of the variants anew at every call (and, in
+      # the planner's check of an 8-block LM, crashed), and drops
+      # assertions: the lowest variant runs, which fits wherever any does.
+      return self._run_segments(self.plan.variants[-1], False, x, context,
+                                training)
+    index, check = self.plan.choose_in_graph(tf.shape(x))
+    with tf.control_dependencies([check]):
+      x = tf.identity(x)
     if len(self.plan.variants) == 1:  # A nested or ordered plan.
       return self._run_segments(self.plan.variants[0], False, x, context,
                                 training)

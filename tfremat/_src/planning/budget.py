@@ -172,21 +172,29 @@ def _overhead_growth(plan, runner, cuts):
 
 def checked(plan, runner, batch, settings):
   """`plan` with its step run `settings.check_calls` times on `batch`
-  (`Plan.measured`: the largest peak), the prediction's check. It runs in
-  a step traced for any size of the axes that may change, as `fit` runs
-  once it has seen a second shape, where a plan with variants runs them in
-  a `tf.switch_case`. Where they do not trace together (under a save
+  (`Plan.measured`: the largest peak), the prediction's check. On the
+  executor it runs in a step traced for any size of the axes that may
+  change, as `fit` runs once it has seen a second shape, where a plan with
+  variants runs them in a `tf.switch_case` (under XLA, which runs the
+  lowest variant there, in a step traced for the sample's shapes). Where they do not trace together (under a save
   policy, a KerasHub `TransformerDecoder`'s rerun in a branch built other
   ops than its forward pass: `RerunMismatchError`), the plan's own
   segments become its only variant. Where the largest peak is over what
   the budget leaves the step, what it held beyond the prediction is added
   to the variants' predictions (so that a lower one runs at the sample),
   raising where none is then predicted to fit."""
-  try:
-    peaks = runner.relaxed_peaks(plan, batch, settings.check_calls)
-  except errors.RerunMismatchError:
-    plan = plan.replace(variants=(tuple(plan.segments),))
-    peaks = runner.relaxed_peaks(plan, batch, settings.check_calls)
+  if runner.jit:
+    # Under XLA a step traced for any shape runs the lowest variant alone
+    # (`RematSequential`): the plan's own runs in one traced for the
+    # sample's shapes, as `fit`'s first step.
+    peaks = runner.peaks(search.Candidate(plan.segments, plan.ordered),
+                         batch, settings.check_calls)
+  else:
+    try:
+      peaks = runner.relaxed_peaks(plan, batch, settings.check_calls)
+    except errors.RerunMismatchError:
+      plan = plan.replace(variants=(tuple(plan.segments),))
+      peaks = runner.relaxed_peaks(plan, batch, settings.check_calls)
   top = max(peaks)
   plan = plan.replace(measured=Measured(top, top, len(peaks)))
   room = plan.step_budget_bytes
