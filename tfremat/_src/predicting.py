@@ -155,8 +155,9 @@ def _keras_step(model, x, y=None, sample_weight=None, class_weight=None,
     import keras  # pylint: disable=g-import-not-at-top
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(
         preprocess(x, y, sample_weight))
-    x, y, sample_weight = tf.nest.map_structure(
-        tf.convert_to_tensor, (x, y, sample_weight))
+    x = tf.nest.map_structure(tf.convert_to_tensor, x)
+    y, sample_weight = (None if t is None else tf.convert_to_tensor(t)
+                        for t in (y, sample_weight))
   if class_weight is not None:
     # pylint: disable-next=g-import-not-at-top
     from keras.src.trainers.data_adapters import data_adapter_utils

@@ -176,10 +176,11 @@ def checked(plan, runner, batch, settings):
   executor it runs in a step traced for any size of the axes that may
   change, as `fit` runs once it has seen a second shape, where a plan with
   variants runs them in a `tf.switch_case` (under XLA, which runs the
-  lowest variant there, in a step traced for the sample's shapes). Where they do not trace together (under a save
-  policy, a KerasHub `TransformerDecoder`'s rerun in a branch built other
-  ops than its forward pass: `RerunMismatchError`), the plan's own
-  segments become its only variant. Where the largest peak is over what
+  lowest variant there, in a step traced for the sample's shapes). Where
+  they do not trace together (under a save policy, a KerasHub
+  `TransformerDecoder`'s rerun in a branch built other ops than its
+  forward pass: `RerunMismatchError`), the plan's own segments become its
+  only variant. Where the largest peak is over what
   the budget leaves the step, what it held beyond the prediction is added
   to the variants' predictions (so that a lower one runs at the sample),
   raising where none is then predicted to fit."""

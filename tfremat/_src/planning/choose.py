@@ -48,12 +48,44 @@ def predicted_measured(peak, margin):
 
 
 class _Trials:
-  """The candidates predicted so far, each once."""
+  """The candidates predicted for `budget` so far, each once, keeping
+  everything's first (`begin`), and the record of them (`record`)."""
 
-  def __init__(self, costs, runner, batch, margin, room):
-    self.costs, self.runner, self.batch = costs, runner, batch
-    self.margin, self.room = margin, room
+  def __init__(self, budget, runner, batch, settings):
+    self.budget, self.runner, self.batch = budget, runner, batch
+    self.settings = settings
+    self.held = runner.held(batch)
+    self.margin = margin_of(runner, settings)
+    self.costs, self.room, self.keep, self.keep_peak = None, None, None, None
     self.trials, self.peaks = [], {}
+
+  def begin(self, segments, stage, why, floor_bytes=0):
+    """Predicts keeping everything (`segments`), sets the room the budget
+    leaves the step (a fraction is of that prediction), and refuses a
+    budget below what every plan holds (`search.floor_error`) where
+    keeping everything does not fit."""
+    self.keep = tuple(segments)
+    self.keep_peak = self.add(self.keep, stage, why)
+    self.room = (int(self.budget.fraction * self.keep_peak)
+                 if self.budget.fraction is not None else
+                 self.budget.num_bytes - self.held.total_bytes)
+    if not self.keeps():
+      error = search.floor_error(
+          self.budget, self.budget_bytes, self.held,
+          predicted_measured(self.keep_peak, self.margin), floor_bytes,
+          self.margin)
+      if error is not None:
+        error.search = self.record()
+        raise error
+
+  @property
+  def budget_bytes(self):
+    return self.held.total_bytes + self.room
+
+  def keeps(self):
+    """Whether keeping everything is chosen: it fits, or the budget is
+    all of it."""
+    return self.fits(self.keep) or self.budget.fraction == 1.0
 
   def model(self, segments):
     return predict(self.costs, list(segments))[0]
@@ -79,6 +111,25 @@ class _Trials:
   def overhead(self, segments):
     """What the predicted step holds beyond the cost model's chain."""
     return self.peaks[segments] - self.model(segments)
+
+  def marked(self):
+    """The trials so far, each marked whether it fits."""
+    return tuple(dataclasses.replace(t, fits=self.fits(t.candidate.segments))
+                 for t in self.trials)
+
+  def record(self, chosen=None):
+    """The `Search` of the trials so far."""
+    return Search(self.budget, self.budget_bytes, self.held,
+                  self.runner.step, self.settings, self.marked(), chosen)
+
+  def refused(self, record, **words):
+    """The `BudgetUnreachableError` giving the lowest predicted peak, with
+    `record` as its `search`."""
+    error = unreachable_error(self.budget, self.budget_bytes, self.held,
+                              self.keep_peak, min(self.peaks.values()),
+                              self.margin, **words)
+    error.search = record
+    return error
 
 
 def choose_plan(costs, budget, runner, batch, settings, floor_bytes=0,
@@ -110,52 +161,29 @@ def choose_plan(costs, budget, runner, batch, settings, floor_bytes=0,
     tfremat.errors.BudgetUnreachableError: not even the lowest plan is
       predicted to fit.
   """
-  budget = Budget.parse(budget)
-  held = runner.held(batch)
-  margin = margin_of(runner, settings)
+  found = _Trials(Budget.parse(budget), runner, batch, settings)
   costs_of, n = costs if isinstance(costs, tuple) else (lambda: costs,
                                                           len(costs))
-  keep = tuple(keep_all(n))
-  found = _Trials(None, runner, batch, margin, None)
-  keep_peak = found.add(keep, "keep", "keeping everything")
-  room = (int(budget.fraction * keep_peak) if budget.fraction is not None
-          else budget.num_bytes - held.total_bytes)
-  found.room = room
-  fits_keep = found.fits(keep) or budget.fraction == 1.0
-  if not fits_keep:
-    error = search.floor_error(budget, held.total_bytes + room, held,
-                               predicted_measured(keep_peak, margin),
-                               floor_bytes, margin)
-    if error is not None:
-      error.search = Search(budget, held.total_bytes + room, held,
-                            runner.step, settings, tuple(found.trials))
-      raise error
+  found.begin(keep_all(n), "keep", "keeping everything", floor_bytes)
   costs = found.costs = list(costs_of())
-  best, ordered = (keep, False) if fits_keep else _proposed(
+  best, ordered = (found.keep, False) if found.keeps() else _proposed(
       found, costs, settings, nestable)
-  budget_bytes = held.total_bytes + room
-  trials = tuple(dataclasses.replace(t, fits=found.fits(t.candidate.segments))
-                 for t in found.trials)
-  chosen = next((t for t in trials if t.candidate.segments == best), None)
-  record = Search(budget, budget_bytes, held, runner.step, settings, trials,
-                  chosen)
+  record = found.record()
+  record = dataclasses.replace(record, chosen=next(
+      (t for t in record.trials if t.candidate.segments == best), None))
   if best is None:
-    error = unreachable_error(budget, budget_bytes, held, keep_peak,
-                              min(found.peaks.values()), margin,
-                              terms=cost_model.floor_terms(costs))
-    error.search = record
-    raise error
-  return Plan(costs, best, budget_bytes, budget, ordered, held=held,
-              step=runner.step,
-              overhead_bytes=found.overhead(best), margin=margin,
-              predicted_keep=keep_peak, search=record)
+    raise found.refused(record, terms=cost_model.floor_terms(costs))
+  return Plan(costs, best, found.budget_bytes, found.budget, ordered,
+              held=found.held, step=runner.step,
+              overhead_bytes=found.overhead(best), margin=found.margin,
+              predicted_keep=found.keep_peak, search=record)
 
 
 def _proposed(found, costs, settings, nestable):
   """(segments, ordered) of the fastest plan the cost model proposes that
   `found` predicts to fit (`choose_plan`'s rounds, then the lowest plan,
   then it nested and ordered), or (None, False)."""
-  best, last, margin = None, tuple(keep_all(len(costs))), found.margin
+  best, last, margin = None, found.keep, found.margin
   for _ in range(settings.rounds):
     target = found.room / (1 + margin) - found.overhead(last)
     segments = cost_model.fastest(costs, target)
@@ -228,48 +256,23 @@ def choose_among(budget, runner, batch, propose, rank, settings,
     (`unreachable_error`'s `subject` and `fix`), whose `search` is the
     record.
   """
-  budget = Budget.parse(budget)
-  held = runner.held(batch)
-  margin = margin_of(runner, settings)
-  found = _Trials(None, runner, batch, margin, None)
+  found = _Trials(Budget.parse(budget), runner, batch, settings)
   keep, stage, why = propose((), None)
-  keep_peak = found.add(keep.segments, stage, why)
-  room = (int(budget.fraction * keep_peak) if budget.fraction is not None
-          else budget.num_bytes - held.total_bytes)
-  found.room = room
-  if not (found.fits(keep.segments) or budget.fraction == 1.0):
-    error = search.floor_error(budget, held.total_bytes + room, held,
-                               predicted_measured(keep_peak, margin), 0,
-                               margin)
-    if error is not None:
-      error.search = Search(budget, held.total_bytes + room, held,
-                            runner.step, settings, tuple(found.trials))
-      raise error
+  found.begin(keep.segments, stage, why)
   candidates = {keep.segments: keep}
-  marked = lambda: tuple(
-      dataclasses.replace(t, fits=found.fits(t.candidate.segments))
-      for t in found.trials)
-  while not (found.fits(keep.segments) or budget.fraction == 1.0):
-    proposal = propose(marked(), room)
+  while not found.keeps():
+    proposal = propose(found.marked(), found.room)
     if proposal is None:
       break
     candidate, stage, why = proposal
     candidates[candidate.segments] = candidate
     found.add(candidate.segments, stage, why)
-  trials = marked()
+  trials = found.marked()
   fitting = sorted((t for t in trials if t.fits or (
-      budget.fraction == 1.0 and t is trials[0])),
+      found.budget.fraction == 1.0 and t is trials[0])),
                    key=lambda t: rank(candidates[t.candidate.segments]))
-  chosen = fitting[0] if fitting else None
-  if chosen is not None:
-    chosen = dataclasses.replace(
-        chosen, candidate=candidates[chosen.candidate.segments])
-  record = Search(budget, held.total_bytes + room, held, runner.step,
-                  settings, trials, chosen)
-  if chosen is None:
-    error = unreachable_error(budget, held.total_bytes + room, held,
-                              keep_peak, min(found.peaks.values()), margin,
-                              **(refusal or {}))
-    error.search = record
-    raise error
-  return record
+  if not fitting:
+    raise found.refused(found.record(), **(refusal or {}))
+  chosen = dataclasses.replace(
+      fitting[0], candidate=candidates[fitting[0].candidate.segments])
+  return found.record(chosen)

@@ -277,10 +277,6 @@ class Plan:
       cache[segments] = _rows(self, segments)
     return cache[segments]
 
-  def _bound_per_peak(self, segments):
-    """A predicted peak's bound over it: 1 plus the margin."""
-    del segments  # The same for every plan.
-    return 1.0 + self.margin
 
   def predicted_peak_at(self, shape, segments=None):
     """The step's peak at input `shape` under `segments` (default: this
@@ -313,8 +309,7 @@ class Plan:
   def predicted_bound_at(self, shape, segments):
     """The bound of `segments` at input `shape`: its predicted peak there
     times its measured bound over its peak at the sample."""
-    return self.predicted_peak_at(shape, segments) * self._bound_per_peak(
-        tuple(segments))
+    return self.predicted_peak_at(shape, segments) * (1.0 + self.margin)
 
   def segments_at(self, shape):
     """The segments to run on a chain input of `shape` (a tuple; None for
@@ -402,8 +397,9 @@ class Plan:
 def _rows(plan_, segments):
   """`Plan.rows` of `segments`, computed: the cost model's chain plus what
   the predicted step held beyond it at the sample (keeping everything's
-  own, for keeping everything), never counted lower than at the sample and
-  growing at most in proportion to the input's size."""
+  own, for keeping everything), growing with the input's size by
+  `overhead_per_size`, or where that is unknown in proportion and never
+  counted lower than at the sample."""
   costs = [c.symbolic(plan_.num_axes) for c in plan_.costs]
   model = predict(costs, list(segments))[0]
   over = plan_.overhead_bytes
@@ -429,8 +425,7 @@ def _choose_in_graph(plan_, shape):
     held = (plan_.held.rows(n).in_graph(ratios) if plan_.held else
             tf.constant(0.0, tf.float64))
     allowed = float(plan_.budget_bytes) - held
-  # pylint: disable-next=protected-access
-  bounds = tf.stack([plan_.rows(v).in_graph(ratios) * plan_._bound_per_peak(v)
+  bounds = tf.stack([plan_.rows(v).in_graph(ratios) * (1.0 + plan_.margin)
                      for v in plan_.variants])
   fits = bounds <= allowed
   # Where none fits, the lowest runs; the assertion fails unless it fits a

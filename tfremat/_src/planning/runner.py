@@ -160,8 +160,8 @@ class Runner:
         self.replicas)
 
   def predictable(self, candidate, batch):
-    """(step, *args): what `predict_peak` reads for `candidate` on `batch`.
-    By default the stand-in step of what `build` applies."""
+    """(step, *args): what `predict_peak` reads for `candidate` on
+    `batch`: the same step `build` runs."""
     raise NotImplementedError
 
   def _run(self, candidate):
@@ -291,20 +291,22 @@ class ModelRunner(Runner):
   def step_batch(self, batch):
     return _global(batch, self.in_sync) if self.fit else batch
 
-  def build(self, candidate, relaxed=False):
+  def _planned(self, candidate):
+    """The model rebuilt around `candidate`'s chain, compiled as the
+    original where its own step runs."""
     planned = apply.apply_plan(self.units, candidate, chain=self.chain,
                                name=f"{self.model.name}_chain")
-    if not self.fit:
-      return _stand_in(planned, relaxed)
-    apply.compiled_like(planned, self.model)
-    return train_step(planned, relaxed)
+    return apply.compiled_like(planned, self.model) if self.fit else planned
+
+  def build(self, candidate, relaxed=False):
+    planned = self._planned(candidate)
+    return (train_step(planned, relaxed) if self.fit else
+            _stand_in(planned, relaxed))
 
   def predictable(self, candidate, batch):
-    planned = apply.apply_plan(self.units, candidate, chain=self.chain,
-                               name=f"{self.model.name}_chain")
+    planned = self._planned(candidate)
     if not self.fit:
       return profile.training_step(planned), batch.x
-    apply.compiled_like(planned, self.model)
     return planned.train_on_batch, batch.x, batch.y
 
 
