@@ -97,9 +97,12 @@ def _step_total(model, x, y):
     peak = measure.peak_bytes(model.train_on_batch, x, y, calls=2)
   except (tf.errors.InvalidArgumentError,
           tfremat.errors.BudgetUnreachableError) as e:
-    # Raised as the step runs, or as it is traced for this shape.
-    assert _NO_PLAN in str(e).lower(), e
-    assert "raise the budget" in str(e).lower(), e
+    # Raised as the step runs, or as it is traced for this shape; under
+    # XLA, as it is compiled for it (the message names a tensor, its words
+    # joined by underscores).
+    words = str(e).lower().replace("_", " ")
+    assert _NO_PLAN in words, e
+    assert "raise the budget" in words, e
     return None
   return _held(model, [x, y]) + peak
 
@@ -172,6 +175,41 @@ def test_an_lm_trained_with_fit_on_padded_batches_holds_its_budget():
   assert _held(planned, _tokens(16, 96)) + peak <= budget, (peak, budget)
 
 
+@pytest.mark.slow
+def test_an_lm_compiled_with_xla_holds_its_budget_at_every_length():
+  # Compiled with XLA, planned at length 64, trained at 48 (after which
+  # Keras traces its step for any length, and XLA compiles that for each
+  # length it runs at: there the lowest variant runs), then at 32, 64, 160.
+  # Each step holds the budget, or its compile fails naming the refusal,
+  # and only where the lowest variant's prediction does not fit. (Each
+  # variant carried the plan's own saving over the cost model, a constant:
+  # the lowest was predicted at 9.8 MB at 128, ran at 15.1 MB, and the
+  # step used 122% of the budget; where none fitted, it ran past it.)
+  model = _lm(blocks=3)
+  model.compile(optimizer="adam", jit_compile=True,
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True))
+  x, y = _tokens(16, 64)
+  budget = _budget(model, x, y, 0.6)
+  planned = tfremat.remat_model(model, budget=budget, sample_input=x,
+                                sample_target=y, verbose=0)
+  plan = planned_chain(planned).plan
+  planned.train_on_batch(*_tokens(16, 48))
+  ran = []
+  for length in (32, 64, 160):
+    at = _tokens(16, length)
+    total = _step_total(planned, *at)
+    shape = (16, length) + plan.shape[2:]
+    lowest = plan.predicted_bound_at(shape, plan.variants[-1])
+    if total is None:
+      assert lowest > plan.allowed_at(shape), (length, lowest, str(plan))
+    else:
+      assert total <= budget, (length, total, budget, str(plan))
+      ran.append(length)
+  assert ran[:2] == [32, 64], (ran, str(plan))
+  assert 160 not in ran, (ran, str(plan))
+
+
 def test_a_fraction_is_of_keeping_everything_at_each_length():
   # 60% of keeping everything at each length. (At 50% the lowest plan's
   # bound fits length 32 by 5%, as weight gradients do not shrink with the
@@ -197,10 +235,10 @@ def test_an_mlp_planned_at_one_batch_holds_its_budget_at_others():
   # whose last batch is partial (its batch dimension is unknown, so fit
   # traces its step for any number of rows), then at 512, which runs that
   # step. At 95% of keeping everything at 256, 512 needs the lowest plan,
-  # which fits it by about 14% measured. (At 90% it fits by 9% measured,
-  # and its prediction at 512, the cost model's carried from the sample,
-  # was 4% above the measured peak: with the 5% margin, one run of two
-  # raised there.)
+  # which fits it by about 14% measured, and its bound (the lowest plan's
+  # own prediction at the sample, in proportion, with the 5% margin) by
+  # about a fifth. (Carrying the chosen plan's saving over the cost model
+  # instead, its bound fitted by 12%, and in one CI run 512 raised.)
   model = _mlp()
   x, y = _rows(256)
   budget = _budget(model, x, y, 0.95)
@@ -212,7 +250,9 @@ def test_an_mlp_planned_at_one_batch_holds_its_budget_at_others():
                             calls=1, warmup=False)
   assert _held(planned, [x, y]) + peak <= budget, (peak, budget)
   total = _step_total(planned, *_rows(512))
-  assert total is not None and total <= budget, (total, budget)
+  plan = planned_chain(planned).plan
+  assert total is not None and total <= budget, (
+      total, budget, plan.measured, plan.overhead_bytes, str(plan))
 
 
 def test_a_fraction_lets_a_much_smaller_batch_run_within_the_samples_bytes():
@@ -294,7 +334,11 @@ def test_a_cnn_built_for_one_image_size_is_planned_and_trained():
   # A functional CNN whose input has a fixed image size (as
   # keras.applications builds them by default): its chain's parts take
   # that size only, so only the batch may change (planning halved the
-  # image and failed in a part's input check).
+  # image and failed in a part's input check). At 90% of keeping
+  # everything: at 80% the lowest plan's bound fitted by 2%, and where the
+  # check, in a step traced for any batch (kept layers ungated, their peak
+  # moving with thread timing), ran above its prediction on a loaded
+  # machine, planning refused.
   keras.utils.set_random_seed(0)
   images = keras.Input((32, 32, 3))
   h = keras.layers.Conv2D(16, 3, padding="same", activation="relu")(images)
@@ -308,7 +352,7 @@ def test_a_cnn_built_for_one_image_size_is_planned_and_trained():
                     from_logits=True))
   x = tf.random.stateless_normal([16, 32, 32, 3], seed=[1, 2])
   y = tf.zeros([16], tf.int32)
-  planned = tfremat.remat_model(model, budget="80%", sample_input=x,
+  planned = tfremat.remat_model(model, budget="90%", sample_input=x,
                                 sample_target=y, verbose=0)
   assert planned_chain(planned).plan.shape[1:3] == (32, 32)
   for size in (16, 8):  # The second traces for any batch size.

@@ -163,7 +163,9 @@ class RematSequential(keras.layers.Layer):
       variant is traced, and a `tf.switch_case` runs the chosen one. Where
       none fits, the call raises (at trace time, or as the step runs,
       before the chain does). Under XLA a step traced for any shape runs
-      the lowest variant, without the check (XLA drops assertions).
+      the lowest variant; where none fits, XLA's compile for that shape
+      fails (XLA drops assertions: the error names a tensor
+      `tfremat_no_rematerialization_plan_is_predicted_to_fit_...`).
     policy: the save policy of rematerialized segments that name none.
     gated: each kept layer hands its input gradient on only after its
       weight gradients are computed, as a rematerialized segment does
@@ -278,17 +280,19 @@ class RematSequential(keras.layers.Layer):
     Kept layers run ungated there, as in any step traced for an unknown
     dimension: gated inside a branch, they held their activations until
     the branch's whole backward pass ended."""
-    if control_flow_util.GraphOrParentsInXlaContext(
-        tf.compat.v1.get_default_graph()):
-      # With the variants in a switch, the planner's XLA check of an
-      # 8-block LM crashed or ran past 10 minutes, and XLA drops
-      # assertions: the lowest variant runs, which fits wherever any does;
-      # where none does, it runs past the budget without an error.
-      return self._run_segments(self.plan.variants[-1], False, x, context,
-                                training)
-    index, check = self.plan.choose_in_graph(tf.shape(x))
+    xla = control_flow_util.GraphOrParentsInXlaContext(
+        tf.compat.v1.get_default_graph())
+    index, check = self.plan.choose_in_graph(tf.shape(x), xla)
     with tf.control_dependencies([check]):
       x = tf.identity(x)
+    if xla:
+      # XLA's compile of the variants in a tf.switch_case crashed (a
+      # segfault resolving the branches' constant arguments), and in nested
+      # tf.cond it failed (a transpose's permutation not a constant in the
+      # gradient's branch): the lowest variant runs, which fits wherever
+      # any does; where none does, the check fails the compile.
+      return self._run_segments(self.plan.variants[-1], False, x, context,
+                                training)
     if len(self.plan.variants) == 1:  # A nested or ordered plan.
       return self._run_segments(self.plan.variants[0], False, x, context,
                                 training)

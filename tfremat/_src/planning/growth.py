@@ -132,7 +132,10 @@ class Rows:
     monomials = tf.stack([
         tf.exp(tf.reduce_sum(tf.constant(k, tf.float64) * logs[:len(k)]))
         if k else tf.constant(1.0, tf.float64) for k in keys])
-    return tf.reduce_max(tf.linalg.matvec(tf.constant(matrix), monomials))
+    # A product and a sum rather than a matvec: under XLA, where the shape
+    # is a constant, the value stays one (`Plan.choose_in_graph`).
+    return tf.reduce_max(tf.reduce_sum(tf.constant(matrix) * monomials,
+                                       axis=1))
 
   def get_config(self):
     return [[[list(e), c] for e, c in row] for row in self.rows]

@@ -152,6 +152,9 @@ class Plan:
       threads order ops differently from call to call; 0 under XLA).
     predicted_keep: keeping everything's predicted peak at the sample, or
       None.
+    variant_peaks: each variant's step's predicted peak at the sample, in
+      the order of `variants` (empty: `overhead_bytes` stands for every
+      variant's).
     overhead_per_size: how `overhead_bytes` grows with the input's size
       (its elements over the sample's), from this plan's step predicted
       again at half the sample's batch; None: in proportion, and never
@@ -177,6 +180,7 @@ class Plan:
   variants: tuple = ()
   margin: float = 0.0
   predicted_keep: int = None
+  variant_peaks: tuple = ()
   overhead_per_size: float = None
   step: str = None
   search: object = dataclasses.field(default=None, compare=False, repr=False)
@@ -193,6 +197,8 @@ class Plan:
         tuple(s if isinstance(s, Segment) else Segment(*s) for s in v)
         for v in self.variants))
     object.__setattr__(self, "margin", float(self.margin))
+    object.__setattr__(self, "variant_peaks",
+                       tuple(int(p) for p in self.variant_peaks))
 
   def replace(self, **changes):
     """A new Plan like this one, with `changes` (any field but `costs`)."""
@@ -338,13 +344,16 @@ class Plan:
       return self.variants[-1]
     raise _unreachable(self, shape)
 
-  def choose_in_graph(self, shape):
+  def choose_in_graph(self, shape, xla=False):
     """In the graph being built, for an input of dynamic `shape` (an int
     tensor): the index into `variants` that `segments_at` chooses, and an
     assertion, to run before the chain, that some variant fits (it fails
     naming the shape, the budget and the lowest variant's predicted
-    bound)."""
-    return _choose_in_graph(self, shape)
+    bound). With `xla`, for a step XLA compiles (which drops assertions),
+    the check instead fails XLA's compile for a shape where none fits, with
+    an InvalidArgumentError naming a tensor `tfremat_no_rematerialization_
+    plan_is_predicted_to_fit_the_budget_at_this_input_shape...`."""
+    return _choose_in_graph(self, shape, xla)
 
   def get_config(self):
     """A JSON-able dict; `Plan.from_config` makes the same Plan from it
@@ -365,6 +374,7 @@ class Plan:
         "variants": [[s.as_list() for s in v] for v in self.variants],
         "margin": self.margin,
         "predicted_keep": self.predicted_keep,
+        "variant_peaks": list(self.variant_peaks),
         "overhead_per_size": self.overhead_per_size,
         "step": self.step,
     }
@@ -386,6 +396,7 @@ class Plan:
                          for v in config.get("variants") or ()],
                margin=config.get("margin", 0.0),
                predicted_keep=config.get("predicted_keep"),
+               variant_peaks=config.get("variant_peaks") or (),
                overhead_per_size=config.get("overhead_per_size"),
                step=config.get("step"), **measured)
 
@@ -396,16 +407,27 @@ class Plan:
 
 def _rows(plan_, segments):
   """`Plan.rows` of `segments`, computed: the cost model's chain plus what
-  the predicted step held beyond it at the sample (keeping everything's
-  own, for keeping everything), growing with the input's size by
+  the step predicted at the sample held beyond it (that variant's own, or
+  keeping everything's, where predicted). Where the step held less (XLA
+  fuses what the executor keeps), the cost model in that proportion at
+  every shape; where more, that excess growing with the input's size by
   `overhead_per_size`, or where that is unknown in proportion and never
   counted lower than at the sample."""
   costs = [c.symbolic(plan_.num_axes) for c in plan_.costs]
   model = predict(costs, list(segments))[0]
   over = plan_.overhead_bytes
-  if (plan_.predicted_keep is not None and
-      segments == tuple(keep_all(len(plan_.costs)))):
-    over = plan_.predicted_keep - model.at(())
+  predicted = dict(zip(plan_.variants, plan_.variant_peaks))
+  if plan_.predicted_keep is not None:
+    predicted.setdefault(tuple(keep_all(len(plan_.costs))),
+                         plan_.predicted_keep)
+  if segments in predicted:
+    over = predicted[segments] - model.at(())
+  if over < 0:
+    # A constant would carry the sample's saving to shapes where the chain
+    # is smaller (a negative peak), and short of it where larger: an XLA
+    # step of a 4-block LM planned at length 64 held its lowest variant's
+    # at 128 61% above a constant's prediction.
+    return model * (1.0 + over / model.at(()))
   size = growth.PROPORTIONAL(plan_.num_axes)
   if plan_.overhead_per_size is not None:
     slope = plan_.overhead_per_size
@@ -413,7 +435,15 @@ def _rows(plan_, segments):
   return model + growth.maximum(Rows.constant(over), size * over)
 
 
-def _choose_in_graph(plan_, shape):
+# The name of the tensor whose compile fails, under XLA, where no variant
+# fits the shape: the error says "Shape of tensor <this name> [0] is not
+# compatible with expected shape [1]".
+_XLA_REFUSAL = ("tfremat_no_rematerialization_plan_is_predicted_to_fit_the_"
+                "budget_at_this_input_shape__raise_the_budget_or_train_on_"
+                "smaller_inputs")
+
+
+def _choose_in_graph(plan_, shape, xla=False):
   """`Plan.choose_in_graph`."""
   n = plan_.num_axes
   ratios = tf.cast(shape[:n], tf.float64) / tf.constant(
@@ -435,6 +465,13 @@ def _choose_in_graph(plan_, shape):
                                  output_type=tf.int32), len(plan_.variants) - 1)
   if plan_.budget.fraction is not None:
     ok = tf.logical_or(ok, bounds[-1] <= plan_.allowed_at(plan_.shape))
+  if xla:
+    # XLA drops assertions, but it compiles the step for each concrete
+    # shape, where `ok` is a constant: a tensor of `ok` elements checked to
+    # hold one fails that compile, naming the refusal.
+    flag = tf.reshape(tf.cast(ok, tf.int32), [1])
+    check = tf.ensure_shape(tf.zeros(flag, tf.int8, name=_XLA_REFUSAL), [1])
+    return index, check
   message = (f"tfremat: no rematerialization plan is predicted to fit the "
              f"budget of {plan_.budget} at this input shape (planned at "
              f"{plan_.shape}); raise the budget, train on smaller inputs, or "
