@@ -199,6 +199,10 @@ class Plan:
     object.__setattr__(self, "margin", float(self.margin))
     object.__setattr__(self, "variant_peaks",
                        tuple(int(p) for p in self.variant_peaks))
+    if self.variant_peaks and len(self.variant_peaks) != len(self.variants):
+      raise errors.InvalidArgumentError(
+          f"Plan got {len(self.variant_peaks)} variant_peaks for "
+          f"{len(self.variants)} variants: give one per variant, or none.")
 
   def replace(self, **changes):
     """A new Plan like this one, with `changes` (any field but `costs`)."""
