@@ -138,9 +138,9 @@ def remat_in_place_for_budget(model, layers, budget, x, y=None, policy=None,
               fix=("give more of the model's layers, a save policy that "
                    "keeps less, or a smaller batch")))
       chosen = found.chosen.candidate
-      peaks = runner.peaks(chosen, batch, settings.check_calls)
       # The check's largest peak, as a planned chain's (`budget.checked`).
-      measured = Measured(max(peaks), max(peaks), len(peaks))
+      measured = Measured.largest(
+          runner.peaks(chosen, batch, settings.check_calls))
     finally:
       runner.apply(_first(n, 0, policy, False))
   runner.apply(chosen)

@@ -214,21 +214,18 @@ def checked(plan, runner, batch, settings):
     try:
       peaks = runner.relaxed_peaks(plan, batch, settings.check_calls)
     except errors.RerunMismatchError:
-      own = dict(zip(plan.variants, plan.variant_peaks)).get(
-          tuple(plan.segments))
+      own = plan.variant_peak(plan.segments)
       plan = plan.replace(variants=(tuple(plan.segments),),
                           variant_peaks=() if own is None else (own,))
       peaks = runner.relaxed_peaks(plan, batch, settings.check_calls)
-  top = max(peaks)
-  plan = plan.replace(measured=Measured(top, top, len(peaks)))
-  room = plan.step_budget_bytes
+  plan = plan.replace(measured=Measured.largest(peaks))
+  room, predicted = plan.step_budget_bytes, plan.predicted_peak_at(plan.shape)
   # What every call held beyond the prediction: in a step traced for any
   # shape kept layers run ungated, and one call's peak there moves with
   # thread timing (on a loaded machine a CNN's by 2 MiB on 10, which,
   # added to every variant, refused a budget its lowest plan met by 16%).
-  if room is not None and top > room and min(peaks) > plan.predicted_peak_at(
-      plan.shape):
-    over = min(peaks) - plan.predicted_peak_at(plan.shape)
+  if room is not None and max(peaks) > room and min(peaks) > predicted:
+    over = min(peaks) - predicted
     plan = plan.replace(
         overhead_bytes=plan.overhead_bytes + over,
         variant_peaks=tuple(p + over for p in plan.variant_peaks))

@@ -67,6 +67,13 @@ class Measured:
     return cls(top, 2 * top - low + extra, len(peaks), extra)
 
   @classmethod
+  def largest(cls, peaks):
+    """The check of a chosen plan: its calls' largest peak, which is also
+    its bound (no spread, no reserve)."""
+    top = int(max(peaks))
+    return cls(top, top, len(peaks))
+
+  @classmethod
   def from_config(cls, config):
     """From `dataclasses.asdict`; reads the `margin_bytes` of plans saved
     by tfremat 0.1 as the reserve."""
@@ -288,6 +295,12 @@ class Plan:
     return cache[segments]
 
 
+  def variant_peak(self, segments):
+    """The step of `segments` predicted at the sample, or None."""
+    found = dict(zip(self.variants, self.variant_peaks))
+    found.setdefault(tuple(keep_all(len(self.costs))), self.predicted_keep)
+    return found.get(tuple(segments))
+
   def predicted_peak_at(self, shape, segments=None):
     """The step's peak at input `shape` under `segments` (default: this
     plan's), predicted (`rows`)."""
@@ -419,13 +432,9 @@ def _rows(plan_, segments):
   counted lower than at the sample."""
   costs = [c.symbolic(plan_.num_axes) for c in plan_.costs]
   model = predict(costs, list(segments))[0]
-  over = plan_.overhead_bytes
-  predicted = dict(zip(plan_.variants, plan_.variant_peaks))
-  if plan_.predicted_keep is not None:
-    predicted.setdefault(tuple(keep_all(len(plan_.costs))),
-                         plan_.predicted_keep)
-  if segments in predicted:
-    over = predicted[segments] - model.at(())
+  predicted = plan_.variant_peak(segments)
+  over = (plan_.overhead_bytes if predicted is None else
+          predicted - model.at(()))
   if over < 0 and model.at(()) > 0:
     # A constant would carry the sample's saving to shapes where the chain
     # is smaller (a negative peak), and short of it where larger: under
