@@ -23,6 +23,7 @@ from tfremat import errors
 
 __all__ = [
     "read_value",
+    "NestedScope",
     "RecordingScope",
     "ForwardState",
     "replaying",
@@ -40,7 +41,7 @@ def read_value(variable):
     return tf.identity(variable.value)
 
 
-class _NestedScope(keras.StatelessScope):
+class NestedScope(keras.StatelessScope):
   """A StatelessScope that sees the values of the scope it is nested in.
 
   Keras reads a variable from the innermost scope only. A rematerialized call
@@ -55,7 +56,7 @@ class _NestedScope(keras.StatelessScope):
     return value
 
 
-class RecordingScope(_NestedScope):
+class RecordingScope(NestedScope):
   """A StatelessScope that records which variables the block reads or writes.
 
   The rerun must read every Keras variable as the forward pass read it: its
@@ -151,7 +152,7 @@ def replaying(variables, values):
 
   Yields the list of losses the block adds with `add_loss`, in order.
   """
-  with _NestedScope(
+  with NestedScope(
       state_mapping=list(zip(variables, values)),
       collect_losses=True,
       initialize_variables=False) as scope:

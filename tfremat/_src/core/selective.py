@@ -174,6 +174,10 @@ def is_random_draw(op_type):
       ("StatelessRandomGet", "StatelessIf", "StatelessWhile", "StatelessCase"))
 
 
+# Ops that read a tensor's shape, not its values.
+_SHAPE_OPS = frozenset(["Shape", "ShapeN", "Size", "Rank"])
+
+
 class _DataTracker:
   """Follows which tensors of the graph depend on the function's inputs or
   on its random draws (dropout masks).
@@ -183,7 +187,10 @@ class _DataTracker:
   build them differently (the forward pass reads variables where the rerun
   gets their replayed values), so they could not be matched. Some must also
   stay visible to XLA as compile-time constants (a loop's trip count, say),
-  which a kept tensor gated on the gradient is not.
+  which a kept tensor gated on the gradient is not. So must a shape read
+  from the data (`_SHAPE_OPS`): in a step traced for any size of an axis,
+  XLA resolves it, and the reshapes computed from it, at each size it
+  compiles for.
   """
 
   def __init__(self, inputs=()):
@@ -194,6 +201,8 @@ class _DataTracker:
     outputs if so. A draw itself is noted, not kept."""
     if is_random_draw(op_type):
       self.mark(outputs)
+      return False
+    if op_type in _SHAPE_OPS:
       return False
     if any(id(t) in self._data for t in inputs):
       self.mark(outputs)

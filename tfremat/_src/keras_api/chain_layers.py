@@ -18,10 +18,12 @@ from tfremat import errors
 from tfremat._src.core import policies as policies_lib
 from tfremat._src.keras_api import in_place
 from tfremat._src.keras_api import layers as layers_lib
+from tfremat._src.keras_api import xla_variants
 from tfremat._src.keras_api.segments import Segment
 from tfremat._src.keras_api.segments import check_segments
 from tfremat._src.core import watch
 from tfremat._src.keras_api.layers import RematerializationLayer
+from tfremat._src.keras_api.xla_variants import gradients as _gradients
 
 __all__ = [
     "ContextUnit",
@@ -162,9 +164,11 @@ class RematSequential(keras.layers.Layer):
       length), each time the step runs, by the shape it runs at: every
       variant is traced, and a `tf.switch_case` runs the chosen one. Where
       none fits, the call raises (at trace time, or as the step runs,
-      before the chain does). Under XLA a step traced for any shape runs
-      the lowest variant; where none fits, XLA's compile for that shape
-      fails (XLA drops assertions: the error names a tensor
+      before the chain does). Under XLA a step traced for any shape builds
+      every variant and selects the chosen one's results by value, which
+      XLA's compile for each concrete shape folds; where
+      none fits, that compile fails (XLA drops assertions: the error names
+      a tensor
       `tfremat_no_rematerialization_plan_is_predicted_to_fit_...`).
     policy: the save policy of rematerialized segments that name none.
     gated: each kept layer hands its input gradient on only after its
@@ -279,23 +283,21 @@ class RematSequential(keras.layers.Layer):
     shape the step runs at (`Plan.choose_in_graph`), after its check.
     Kept layers run ungated there, as in any step traced for an unknown
     dimension: gated inside a branch, they held their activations until
-    the branch's whole backward pass ended."""
+    the branch's whole backward pass ended. Under XLA the variants are
+    selected by value instead (`xla_variants.selected`), gated as planned."""
     xla = control_flow_util.GraphOrParentsInXlaContext(
         tf.compat.v1.get_default_graph())
     index, check = self.plan.choose_in_graph(tf.shape(x), xla)
     with tf.control_dependencies([check]):
       x = tf.identity(x)
-    if xla:
-      # XLA's compile of the variants in a tf.switch_case crashed (a
-      # segfault resolving the branches' constant arguments), and in nested
-      # tf.cond it failed (a transpose's permutation not a constant in the
-      # gradient's branch): the lowest variant runs, which fits wherever
-      # any does; where none does, the check fails the compile.
-      return self._run_segments(self.plan.variants[-1], False, x, context,
-                                training)
     if len(self.plan.variants) == 1:  # A nested or ordered plan.
-      return self._run_segments(self.plan.variants[0], False, x, context,
-                                training)
+      return self._run_segments(self.plan.variants[0], xla and self.gated,
+                                x, context, training)
+    if xla:
+      return xla_variants.selected(
+          index, self.plan.variants, x, self.add_loss,
+          lambda segments, x: self._run_segments(segments, self.gated, x,
+                                                 context, training))
 
     def branch(segments):
       # Each branch reads the input in its own graph, where the saved
@@ -405,15 +407,6 @@ def _static_shape(x):
     return tuple(None if d is None else int(d) for d in tuple(x.shape))
   except ValueError:  # A shape of unknown rank.
     return None
-
-
-def _gradients(ys, xs, grad_ys):
-  """`tf.gradients`, its ops placed as a tape's are: not colocated with the
-  forward ops (TF2's `tf.gradients` colocates each, and each rerun's with
-  its segment's custom-gradient op, at a cost in tracing and in the first
-  call's placement on every planned chain)."""
-  return tf.compat.v1.gradients(ys, xs, grad_ys,
-                                colocate_gradients_with_ops=False)
 
 
 def _one_executor_thread():

@@ -194,8 +194,10 @@ def checked(plan, runner, batch, settings):
   (`Plan.measured`: the largest peak), the prediction's check. On the
   executor it runs in a step traced for any size of the axes that may
   change, as `fit` runs once it has seen a second shape, where a plan with
-  variants runs them in a `tf.switch_case` (under XLA, which runs the
-  lowest variant there, in a step traced for the sample's shapes). Where
+  variants runs them in a `tf.switch_case` (under XLA in a step traced
+  for the sample's shapes, as `fit`'s first step: XLA's buffer assignment
+  does not move with threads, and its step for any shape compiles the
+  chosen variant alone at each shape). Where
   they do not trace together (under a save policy, a KerasHub
   `TransformerDecoder`'s rerun in a branch built other ops than its
   forward pass: `RerunMismatchError`), the plan's own segments become its
@@ -205,9 +207,7 @@ def checked(plan, runner, batch, settings):
   that a lower one runs at the sample), raising where none is then
   predicted to fit."""
   if runner.jit:
-    # Under XLA a step traced for any shape runs the lowest variant alone
-    # (`RematSequential`): the plan's own runs in one traced for the
-    # sample's shapes, as `fit`'s first step.
+    # Under XLA, in the step traced for the sample's shapes.
     peaks = runner.peaks(search.Candidate(plan.segments, plan.ordered),
                          batch, settings.check_calls)
   else:
