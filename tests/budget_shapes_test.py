@@ -218,7 +218,7 @@ def test_a_step_compiled_for_any_batch_trains_as_the_model_does():
   # and variable updates. Trained at batches that choose different
   # variants, it moves the weights, BatchNormalization's statistics and
   # dropout's seeds as the model without remat does.
-  def model():
+  def model(jit):
     keras.utils.set_random_seed(0)
     x = inputs = keras.Input((64,))
     for _ in range(4):
@@ -226,14 +226,19 @@ def test_a_step_compiled_for_any_batch_trains_as_the_model_does():
       h = keras.layers.BatchNormalization()(keras.layers.Dropout(0.1)(h))
       x = x + keras.layers.Dense(64)(h)
     built = keras.Model(inputs, keras.layers.Dense(10)(x))
-    built.compile(optimizer="adam", jit_compile=True,
+    built.compile(optimizer="adam", jit_compile=jit,
                   loss=keras.losses.SparseCategoricalCrossentropy(
                       from_logits=True))
     return built
 
-  plain, base = model(), model()
+  plain, base = model(True), model(False)
+  # Planned on the executor (a compile per prediction under XLA would make
+  # this test slow), then trained compiled.
   planned = tfremat.remat_model(base, budget=0.7, sample_input=_rows(256)[0],
                                 sample_target=_rows(256)[1], verbose=0)
+  planned.compile(optimizer="adam", jit_compile=True,
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True))
   plan = planned_chain(planned).plan
   sizes = (128, 96, 256, 32)  # After 96, one step for any batch.
   chosen = {plan.variants.index(plan.segments_at((n, 64))) for n in sizes}
