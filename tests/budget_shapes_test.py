@@ -221,7 +221,7 @@ def test_a_step_compiled_for_any_batch_trains_as_the_model_does():
   def model(jit):
     keras.utils.set_random_seed(0)
     x = inputs = keras.Input((64,))
-    for _ in range(4):
+    for _ in range(2):
       h = keras.layers.Dense(256, activation="gelu")(x)
       h = keras.layers.BatchNormalization()(keras.layers.Dropout(0.1)(h))
       x = x + keras.layers.Dense(64)(h)
