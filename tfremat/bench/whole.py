@@ -47,7 +47,7 @@ def measure_whole_model(name, budget=0.5, rounds=5, modes=WHOLE_MODES):
     else:
       made[label] = planned
       plan = planned.get_layer(f"{model.name}_chain").plan
-      bound = plan.measured.bound_bytes / plan.measured_keep.peak_bytes
+      bound = plan.measured.bound_bytes / plan.predicted_keep
       notes[label] = (f"planned in {time.perf_counter() - start:.1f} s: "
                       f"bound {bound:.0%}")
   measure.wait_for(chain.training_step(model)(batch))  # One-time costs.
