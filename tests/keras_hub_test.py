@@ -202,3 +202,18 @@ def test_a_backbone_made_in_remat_scope_is_exact_and_peaks_lower():
     original = measure.peaks(chain.training_step(model), batch, calls=3)
   # Measured with 4 layers: 29-31 MiB against 85-87 MiB.
   assert max(scoped) <= 0.6 * min(original), (scoped, original)
+
+
+@pytest.mark.slow
+def test_a_gemma_backbone_is_planned_on_the_executor():
+  # The plan's check runs in a step traced for any shape, its variants in a
+  # tf.switch_case. Where a rerun recomputed the shapes it read rather than
+  # keeping them (as it does under XLA), a Gemma layer's rerun in a branch
+  # captured an eager tensor, and TensorFlow's cond gradient raised
+  # "Tensor.graph is undefined when eager execution is enabled".
+  keras.utils.set_random_seed(0)
+  model, batch = _backbone("gemma"), _batch("gemma")
+  planned = tfremat.remat_model(model, budget=0.5, sample_input=batch,
+                                verbose=0)
+  plan = planned_chain(planned).plan
+  assert plan.measured.peak_bytes <= plan.budget_bytes, str(plan)

@@ -33,6 +33,7 @@ themselves.
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import ops
+from tensorflow.python.ops import control_flow_util
 
 from tfremat import errors
 from tfremat._src.core import policies
@@ -188,13 +189,18 @@ class _DataTracker:
   gets their replayed values), so they could not be matched. Some must also
   stay visible to XLA as compile-time constants (a loop's trip count, say),
   which a kept tensor gated on the gradient is not. So must a shape read
-  from the data (`_SHAPE_OPS`): in a step traced for any size of an axis,
-  XLA resolves it, and the reshapes computed from it, at each size it
-  compiles for.
+  from the data under XLA (`_SHAPE_OPS`): in a step traced for any size
+  of an axis, XLA resolves it, and the reshapes computed from it, at each
+  size it compiles for. (On the executor shapes stay data: there a
+  KerasHub `GemmaBackbone`'s rerun recomputing them in a `tf.switch_case`
+  branch captured an eager tensor that TensorFlow's cond gradient could
+  not resolve.)
   """
 
   def __init__(self, inputs=()):
     self._data = {id(t) for t in inputs}
+    self._shapes_are_data = not control_flow_util.GraphOrParentsInXlaContext(
+        tf.compat.v1.get_default_graph())
 
   def depends_on_data(self, op_type, inputs, outputs):
     """Whether the op just made reads the inputs or a random draw; notes its
@@ -202,7 +208,7 @@ class _DataTracker:
     if is_random_draw(op_type):
       self.mark(outputs)
       return False
-    if op_type in _SHAPE_OPS:
+    if op_type in _SHAPE_OPS and not self._shapes_are_data:
       return False
     if any(id(t) in self._data for t in inputs):
       self.mark(outputs)
@@ -222,6 +228,7 @@ class _OpWatcher(_DataTracker, watch.Handler):
   def __init__(self, inputs):
     super().__init__(inputs)
     self.graph = None
+    self._shapes_are_data = True  # The entered graph's rule (`__enter__`).
     self.signatures = {}  # kind -> each candidate op's signature, in order.
 
   def _numbered(self, op_type, inputs, outputs, graph):
@@ -253,6 +260,8 @@ class _OpWatcher(_DataTracker, watch.Handler):
 
   def __enter__(self):
     self.graph = tf.compat.v1.get_default_graph()
+    self._shapes_are_data = (
+        not control_flow_util.GraphOrParentsInXlaContext(self.graph))
     return super().__enter__()
 
 
