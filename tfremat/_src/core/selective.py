@@ -199,8 +199,7 @@ class _DataTracker:
 
   def __init__(self, inputs=()):
     self._data = {id(t) for t in inputs}
-    self._shapes_are_data = not control_flow_util.GraphOrParentsInXlaContext(
-        tf.compat.v1.get_default_graph())
+    self._shapes_are_data = True  # Set for the graph entered (`_OpWatcher`).
 
   def depends_on_data(self, op_type, inputs, outputs):
     """Whether the op just made reads the inputs or a random draw; notes its
