@@ -78,27 +78,37 @@ def predict_rows(families=shapes.FAMILIES, modes=MODES, jit=(False, True),
 
 
 def format_table(rows):
-  """A table of `rows` (MiB), then a line per program: how many rows land
-  within its bound, the lowest and highest error, the seconds."""
-  lines = [f"{'model':<15} {'shape':<8} {'kept':<6} {'XLA':<4} "
-           f"{'predicted':>10} {'measured':>10} {'error':>8} {'seconds':>8}",
-           "-" * 74]
-  for r in rows:
-    lines.append(
-        f"{r.model:<15} {'x'.join(map(str, r.shape)):<8} {r.mode:<6} "
-        f"{'yes' if r.jit_compile else 'no':<4} "
-        f"{r.predicted_bytes / 2**20:>10.2f} {r.measured_bytes / 2**20:>10.2f}"
-        f" {r.error:>+8.2%} {r.seconds:>8.1f}")
-  for jit_compile, bound in ((True, 0.01), (False, 0.10)):
+  """A table of `rows`, one line per model and shape: for each mode and
+  program the measured peak (MiB) and the prediction's error; then a line
+  per program: how many land within its bound, the lowest and highest
+  error, the seconds."""
+  cells = {(r.model, r.shape, r.mode, r.jit_compile): r for r in rows}
+  keys = list(dict.fromkeys((r.model, r.shape) for r in rows))
+  columns = [(m, j) for m in MODES for j in (False, True)
+             if any((r.mode, r.jit_compile) == (m, j) for r in rows)]
+  cell = 17
+  lines = [" " * 24 + "".join(f"{m + (' XLA' if j else ' executor'):>{cell}}"
+                              for m, j in columns),
+           f"{'model':<15} {'shape':<8}" +
+           f"{'MiB   error':>{cell}}" * len(columns),
+           "-" * (24 + cell * len(columns))]
+  for model, shape in keys:
+    line = f"{model:<15} {'x'.join(map(str, shape)):<8}"
+    for m, j in columns:
+      r = cells.get((model, shape, m, j))
+      line += (f"{'':>{cell}}" if r is None else
+               f"{r.measured_bytes / 2**20:>{cell - 9}.1f} {r.error:>+8.2%}")
+    lines.append(line)
+  for jit_compile, bound in ((False, 0.10), (True, 0.01)):
     these = [r for r in rows if r.jit_compile == jit_compile]
     if these:
       errors_ = [r.error for r in these]
       lines.append(
-          f"{'under XLA' if jit_compile else 'on the executor'} "
+          f"{'XLA' if jit_compile else 'executor'}: "
           f"{sum(-bound <= e <= bound for e in errors_)} of {len(these)} "
-          f"within {bound:.0%} (errors {min(errors_):+.2%} to "
+          f"within {bound:.0%} ({min(errors_):+.2%} to "
           f"{max(errors_):+.2%}), {sum(e < -0.05 for e in errors_)} more "
-          f"than 5% below, predictions "
+          f"than 5% below; predictions "
           f"{min(r.seconds for r in these):.1f}-"
           f"{max(r.seconds for r in these):.1f} s")
   return "\n".join(lines)
