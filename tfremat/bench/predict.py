@@ -86,25 +86,22 @@ def format_table(rows):
   keys = list(dict.fromkeys((r.model, r.shape) for r in rows))
   columns = [(m, j) for m in MODES for j in (False, True)
              if any((r.mode, r.jit_compile) == (m, j) for r in rows)]
-  cell = 17
-  lines = [" " * 24 + "".join(f"{m + (' XLA' if j else ' executor'):>{cell}}"
-                              for m, j in columns),
-           f"{'model':<15} {'shape':<8}" +
-           f"{'MiB   error':>{cell}}" * len(columns),
-           "-" * (24 + cell * len(columns))]
+  lines = [f"{'model':<15} {'shape':<8}" + "".join(
+      f"{m + (' XLA' if j else ' exec') + ' MiB':>15}{'error':>9}"
+      for m, j in columns), "-" * (24 + 24 * len(columns))]
   for model, shape in keys:
     line = f"{model:<15} {'x'.join(map(str, shape)):<8}"
     for m, j in columns:
       r = cells.get((model, shape, m, j))
-      line += (f"{'':>{cell}}" if r is None else
-               f"{r.measured_bytes / 2**20:>{cell - 9}.1f} {r.error:>+8.2%}")
+      line += (" " * 24 if r is None else
+               f"{r.measured_bytes / 2**20:>15.1f}{r.error:>+9.2%}")
     lines.append(line)
   for jit_compile, bound in ((False, 0.10), (True, 0.01)):
     these = [r for r in rows if r.jit_compile == jit_compile]
     if these:
       errors_ = [r.error for r in these]
       lines.append(
-          f"{'XLA' if jit_compile else 'executor'}: "
+          f"{'under XLA' if jit_compile else 'on the executor'} "
           f"{sum(-bound <= e <= bound for e in errors_)} of {len(these)} "
           f"within {bound:.0%} ({min(errors_):+.2%} to "
           f"{max(errors_):+.2%}), {sum(e < -0.05 for e in errors_)} more "
