@@ -52,7 +52,6 @@ TABLES = {
                             "transformer,GPT2Backbone", "--steps", "5"], {},
                   ROOT),
     "shapes": (_BENCH + ["--shapes", "208MiB"], {}, ROOT),
-    "shape_families": (_BENCH + ["--shape_families"], {}, ROOT),
     "predict": (_BENCH + ["--predict"], {}, ROOT),
     "cnn_onednn": (_CNN_PEAKS, {"TF_ENABLE_ONEDNN_OPTS": "1"}, ROOT / "tests"),
     "cnn_eigen": (_CNN_PEAKS, {"TF_ENABLE_ONEDNN_OPTS": "0"}, ROOT / "tests"),
