@@ -718,3 +718,35 @@ def test_a_budget_at_115_percent_of_the_lowest_plan_is_planned():
       blocks, budget=search.held.total_bytes + int(1.15 * lowest),
       sample_input=x, verbose=0)
   assert layer.plan.measured.bound_bytes <= int(1.15 * lowest)
+
+
+def test_a_segment_first_traced_at_another_shape_runs_a_unit_built_on_the_sample():
+  # remat_model's planner groups a CNN's single layers into Sequential units
+  # and calls them on the sample, which fixes a Sequential's input to the
+  # sample's image size; a segment's body built around such a unit by a
+  # step first traced at a larger image raised (a MobileNetV2 planned at
+  # 64x64 whose first train_on_batch was at 80x80).
+  keras.utils.set_random_seed(0)
+  unit = keras.Sequential([keras.layers.Conv2D(4, 3, padding="same"),
+                           keras.layers.ReLU()])
+  unit(tf.zeros([2, 8, 8, 3]))  # Built on the sample.
+  layers = [unit, keras.layers.Conv2D(4, 3, padding="same")]
+  chained = chain_layers.RematSequential(
+      layers, [planner.Segment(0, 1, True), planner.Segment(1, 2, False)])
+  x = tf.random.normal([4, 12, 12, 3])
+
+  @tf.function
+  def grads(x):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(chained(x, training=True) ** 2)
+    return tape.gradient(loss, chained.trainable_weights)
+
+  def plain(x):
+    with tf.GradientTape() as tape:
+      y = x
+      for layer in layers:
+        y = layer(y)
+      loss = tf.reduce_sum(y ** 2)
+    return tape.gradient(loss, chained.trainable_weights)
+
+  assert_trees_close(grads(x), plain(x))

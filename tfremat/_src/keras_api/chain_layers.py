@@ -140,7 +140,7 @@ class RematSequential(keras.layers.Layer):
   """Runs a chain of layers, rematerializing the chosen segments.
 
   Made by `tfremat.remat_sequential`. Each rematerialized segment runs as a
-  `RematerializationLayer` around a `keras.Sequential` of its layers; kept
+  `RematerializationLayer` around its layers called in order; kept
   segments run their layers directly.
 
   Args:
@@ -233,10 +233,12 @@ class RematSequential(keras.layers.Layer):
       if seg.nested:
         body = ContextSegment(part, nested=True,
                               policy=seg.policy or self.policy)
-      elif any(isinstance(l, ContextUnit) for l in part):
-        body = ContextSegment(part)
       else:
-        body = keras.Sequential(part)
+        # Not a keras.Sequential: built by its first call, a Sequential
+        # would check each later call against that call's shape, and a
+        # step first traced at a larger image than the sample's raised
+        # where a unit inside had been built on the sample.
+        body = ContextSegment(part)
       if seg.remat:
         steps.append(
             RematerializationLayer(body, policy=seg.policy or self.policy))
