@@ -26,17 +26,23 @@ def test_the_batch_found_fits_on_a_step_traced_for_that_batch():
   # A step traced for any batch size can peak lower than one traced for
   # one batch (a tf.function called on tensors of one shape, as Keras's fit
   # traces when the data divides into batches): largest_batch's bound is
-  # the latter's. Its peaks move up from call to call on a busy machine,
-  # never below the least of them: that one is compared.
+  # the latter's. On the executor a call's peak moves up with thread timing
+  # on a busy machine (one of the check's three calls in CI, beside another
+  # test, peaked 31% above the others): the plan is held to the memory by
+  # its prediction with the margin, and the least of a step's peaks, what
+  # its program reaches, is compared with the memory.
   sample = tf.random.normal([64, 64])
   found = tfremat.largest_batch(_residual_mlp(), "16MiB", sample,
                                 verbose=0)
   assert found.batch > 0, found
-  assert (found.measured.peak_bytes + found.held.total_bytes <=
-          found.memory_bytes), found
+  plan = found.plan
+  bound = plan.predicted_peak_at(plan.shape) * (1 + plan.margin)
+  assert bound + found.held.total_bytes <= found.memory_bytes, found
   step = chain.training_step(found.model)
   peaks = measure.peaks(step, Batch(sample).resized(found.batch).x,
                         calls=3)
+  assert min(peaks) + found.held.total_bytes <= found.memory_bytes, (
+      found, peaks)
   assert min(peaks) <= found.measured.peak_bytes * 1.01, (found, peaks)
 
 class _Lines:
