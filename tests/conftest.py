@@ -565,6 +565,10 @@ class StandInRunner:
     """The largest of its peaks: the planner's prediction of its step."""
     return max(self.peaks(candidate, batch, 1))
 
+  def simulated(self, candidate, batch):
+    """No program to read other plans from: each is predicted."""
+    del candidate, batch
+
   def relaxed_peaks(self, plan, batch, calls):
     return self.peaks(Candidate(plan.segments, plan.ordered), batch, calls)
 

@@ -165,10 +165,12 @@ def _variant_peaks(plan, runner, batch):
   found = {t.candidate.segments: t.predicted_bytes
            for t in (plan.search.trials if plan.search else ())
            if t.predicted_bytes is not None and not t.candidate.ordered}
-  peaks = tuple(
-      found[v] if v in found else
-      runner.predicted(search.Candidate(v, plan.ordered), batch)
-      for v in plan.variants)
+  def predicted(variant):
+    candidate = search.Candidate(variant, plan.ordered)
+    read = runner.simulated(candidate, batch)
+    return runner.predicted(candidate, batch) if read is None else read
+  peaks = tuple(found[v] if v in found else predicted(v)
+                for v in plan.variants)
   return plan.replace(variant_peaks=peaks)
 
 

@@ -28,6 +28,8 @@ import tensorflow as tf
 
 from tfremat._src import measuring as measure
 from tfremat._src import predicting
+from tfremat._src import predicting_reruns
+from tfremat._src.core import selective
 from tfremat._src.planning import apply
 from tfremat._src.planning import profile
 from tfremat._src.planning.plan import Held
@@ -116,6 +118,9 @@ class Runner:
 
   def __init__(self):
     self._built = {}  # Candidate -> what runs its step.
+    # The batch's shapes -> (the keep-everything step's KeepProgram, the
+    # bytes its call converts), on the executor.
+    self._keep = {}
     # Under a tf.distribute strategy, a budget is one replica's: the
     # replicas that share the measured memory are divided out, and
     # train_on_batch takes a batch for every replica.
@@ -154,10 +159,48 @@ class Runner:
 
   def predicted(self, candidate, batch):
     """`candidate`'s training step's peak on `batch` (one replica's),
-    read from its program (`tfremat.measure.predict_peak`): nothing runs."""
+    read from its program (`tfremat.measure.predict_peak`): nothing runs.
+    Keeping everything on the executor, the program is kept for
+    `simulated`."""
     batch = self.step_batch(batch)
-    return predicting.predict_peak(*self.predictable(candidate, batch)) // (
-        self.replicas)
+    step, *args = self.predictable(candidate, batch)
+    units = self.unit_names()
+    if (units is None or self.jit or any(s.remat for s in candidate.segments)
+        or candidate.ordered):
+      return predicting.predict_peak(step, *args) // self.replicas
+    resolved = predicting.step_of(step, args, {})
+    if resolved.jit_compile:
+      return predicting.predict_peak(step, *args) // self.replicas
+    keep = predicting_reruns.KeepProgram.of(resolved)
+    self._keep[_shapes(batch)] = keep, resolved.converted_bytes
+    return (keep.peak() + resolved.converted_bytes) // self.replicas
+
+  def simulated(self, candidate, batch):
+    """`candidate`'s step's peak on `batch` read from the keep-everything
+    step's program (`predicting_reruns`), predicted on this batch's shapes
+    first; None where it cannot be read so (under XLA, a nested or ordered
+    plan, units whose reruns it does not find): `predicted` then traces
+    the candidate's own step."""
+    batch = self.step_batch(batch)
+    found = self._keep.get(_shapes(batch))
+    if found is None or candidate.ordered or any(
+        s.nested for s in candidate.segments):
+      return None
+    keep, converted = found
+    units = self.unit_names()
+    try:
+      peak = keep.peak([([units[i] for i in range(s.start, s.stop)],
+                         _keeps(s.policy)) for s in candidate.segments
+                        if s.remat])
+    except predicting_reruns.NotReadable:
+      return None
+    return (peak + converted) // self.replicas
+
+  def unit_names(self):
+    """The names of the gated layers a planned chain runs its units as
+    (`RematSequential`'s kept layers), or None where the runner's
+    candidates are not such chains."""
+    return None
 
   def predictable(self, candidate, batch):
     """(step, *args): what `predict_peak` reads for `candidate` on
@@ -178,6 +221,18 @@ class Runner:
     with measure.restoring(self.state()):
       return [p // self.replicas for p in measure.peaks(
           self._run(candidate), batch, calls=calls)]
+
+
+def _keeps(policy):
+  """None (a full rerun), or whether `policy` keeps a graph op."""
+  if policy is None:
+    return None
+  return lambda op: selective.keeps(policy, selective.describe(op))
+
+
+def _shapes(batch):
+  return tuple(tuple(t.shape) for t in tf.nest.flatten([batch.x, batch.y])
+               if t is not None)
 
 
 def _stand_in(layer, relaxed=False):
@@ -207,6 +262,9 @@ class ChainRunner(Runner):
   def predictable(self, candidate, batch):
     return (profile.training_step(apply.apply_plan(self.layers, candidate)),
             batch.x)
+
+  def unit_names(self):
+    return [f"remat_{l.name}" for l in self.layers]
 
 
 def fit_step(model, batch):
@@ -302,6 +360,9 @@ class ModelRunner(Runner):
     planned = self._planned(candidate)
     return (train_step(planned, relaxed) if self.fit else
             _stand_in(planned, relaxed))
+
+  def unit_names(self):
+    return [f"remat_{u.name}" for u in self.units]
 
   def predictable(self, candidate, batch):
     planned = self._planned(candidate)

@@ -1,0 +1,244 @@
+"""Every plan's peak from one traced program: the keep-everything step's.
+
+A chain the planner plans runs each kept layer as a `RematerializationLayer`
+under `everything_saveable` (gated, `RematSequential`): in its backward
+pass the layer's rerun is built, and each of its tensors is replaced by the
+forward pass's (an `Identity` reading it), so the rerun's own ops are dead
+and pruned. Rematerializing a segment changes only that: the backward
+pass's reads of the segment's forward tensors become reads of a rerun of
+the ops that made them, which starts once the gradient reaches the
+segment's last layer; the forward tensors are then freed after their last
+forward reader. `KeepProgram.peak` makes that change in the flattened
+program (`predicting._Program`) and simulates it on the executor's rules
+(`predicting._Schedule`), in well under a second, where tracing a
+candidate's Keras training step takes seconds (the optimizer's update
+alone, hundreds of variables, is most of it). A save policy's kept ops are
+read from the forward pass, as its rerun reads them.
+
+What it reads is op names: a kept layer's forward ops under
+`remat_<unit>/`, its rerun under the scope that follows, its gradient under
+`gradient_tape/` and that scope. A unit it cannot find raises
+`NotReadable`; callers then trace the candidate (`predict_peak`).
+"""
+
+import collections
+import re
+
+from tfremat._src import predicting
+
+__all__ = ["KeepProgram", "NotReadable"]
+
+# Ops a rerun does not make anew, nor waits for: variables' reads,
+# constants, inputs.
+_NOT_RERUN = frozenset(["ReadVariableOp", "Const", "VarHandleOp",
+                        "Placeholder"])
+
+
+class NotReadable(Exception):
+  """The keep-everything program does not show a unit's rerun."""
+
+
+class _NamedProgram(predicting._Program):  # pylint: disable=protected-access
+  """A `predicting._Program` that keeps each node's op name."""
+
+  def __init__(self):
+    super().__init__()
+    self.names = []
+
+  def _append(self, node, op_name, prefix):
+    super()._append(node, op_name, prefix)
+    self.names.append(prefix + op_name)
+
+
+class KeepProgram:
+  """The keep-everything training step's program (a traced graph of a
+  chain whose kept layers are gated), read for any plan of the chain."""
+
+  def __init__(self, graph, held):
+    self.graph = graph
+    self.held = held
+    self.program = _NamedProgram.of(graph)
+    self.producer = {}
+    for i, node in enumerate(self.program.nodes):
+      for key, _, _ in node.outputs:
+        self.producer[key] = i
+    self.index = {name: i for i, name in enumerate(self.program.names)}
+    self._users = None
+
+  @classmethod
+  def of(cls, step):
+    """From a `predicting.Step` on TensorFlow's executor."""
+    concrete = step.function.get_concrete_function(*step.args, **step.kwargs)
+    return cls(concrete.graph, {t.name for t in concrete.graph.outputs})
+
+  def peak(self, segments=()):
+    """The simulated peak with `segments` rematerialized: each a pair of
+    (the names of its units' `RematerializationLayer`s in chain order,
+    None or a function of a graph op that says whether its save policy
+    keeps it); `()` is keeping everything, `predict_peak`'s figure for this
+    program."""
+    nodes, names = self._rewritten(segments)
+    program = predicting._Program()  # pylint: disable=protected-access
+    program.nodes = nodes
+    for i, node in enumerate(nodes):
+      program._producer[names[i]] = i  # pylint: disable=protected-access
+      for key, _, _ in node.outputs:
+        program._producer[key] = i  # pylint: disable=protected-access
+    schedule = predicting._Schedule(  # pylint: disable=protected-access
+        program, self.held, predicting.executor_lanes())
+    return schedule.peak()
+
+  def _rewritten(self, segments):
+    base = self.program.nodes
+    nodes = [predicting._Node(n.type, list(n.inputs), list(n.outputs),  # pylint: disable=protected-access
+                              list(n.after), n.transient) for n in base]
+    names = list(self.program.names)
+    producer = dict(self.producer)
+    # Where each node is built: a rerun's copies just before the first
+    # backward read they serve, as a rerun is built before its gradient
+    # (the executor runs ready ops in the order they became ready, the
+    # ones an op readies in build order).
+    places = [float(i) for i in range(len(nodes))]
+    for units, policy in segments:
+      _Rerun(self, nodes, names, producer, units, policy, places).apply()
+    order = sorted(range(len(nodes)), key=places.__getitem__)
+    return [nodes[i] for i in order], [names[i] for i in order]
+
+  def users(self):
+    """Each node's readers (by index), data and control."""
+    if self._users is None:
+      self._users = collections.defaultdict(list)
+      for i, node in enumerate(self.program.nodes):
+        for key in node.inputs + node.after:
+          j = self.producer.get(key, self.index.get(key))
+          if j is not None:
+            self._users[j].append(i)
+    return self._users
+
+
+class _Rerun:
+  """One rematerialized segment's change to the program (`apply`)."""
+
+  def __init__(self, keep, nodes, names, producer, units, policy, places):
+    self.keep, self.nodes, self.names = keep, nodes, names
+    self.places = places
+    self.producer, self.policy = producer, policy
+    found = [_forward_ops(keep.program.names, unit) for unit in units]
+    if not all(ops for ops, _ in found):
+      missing = [u for u, (ops, _) in zip(units, found) if not ops]
+      raise NotReadable(f"no forward ops of {missing}")
+    self.forward = set().union(*(ops for ops, _ in found))
+    self.scopes = [scope for _, scope in found]
+    own = keep.program.names
+    self.reruns = {i for i, n in enumerate(own)
+                   if any(n.startswith(s) for s in self.scopes)}
+    self.grads = {i for i, n in enumerate(own)
+                  if any(n.startswith("gradient_tape/" + s)
+                         for s in self.scopes)}
+    self.made = {}
+
+  def apply(self):
+    if not self.grads:
+      raise NotReadable(f"no gradient ops under {self.scopes}")
+    gate = None
+    replaced = 0
+    for i in sorted(self.reruns):
+      node = self.nodes[i]
+      if node.type != "Identity" or len(node.inputs) != 1:
+        continue
+      key = node.inputs[0]
+      j = self.producer.get(key)
+      if j not in self.forward or not self._recomputed(j):
+        continue
+      gate = self._gate() if gate is None else gate
+      new = self._copy(key, gate, i)
+      self.nodes[i] = predicting._Node(  # pylint: disable=protected-access
+          "Identity", [new], [(node.outputs[0][0], 0, new)], node.after)
+      replaced += 1
+    # Replacing nothing, the segment's backward pass reads nothing of its
+    # forward pass's own (a Dense layer's reads its input and weights):
+    # its rerun is pruned, and its step is keeping everything's.
+
+  def _recomputed(self, j):
+    """Whether the rerun makes node `j`'s outputs anew: a buffer of the
+    step's that the segment's policy does not keep."""
+    if self.nodes[j].type in _NOT_RERUN:
+      return False
+    if self.policy is None:
+      return True
+    try:
+      op = self.keep.graph.get_operation_by_name(self.names[j])
+    except (KeyError, ValueError):
+      return True  # Inside a function call: not an op of the graph's own.
+    return not self.policy(op)
+
+  def _gate(self):
+    """What the rerun waits for: the tensors the gradient hands the
+    segment's last unit, made outside its own backward pass and rerun."""
+    last = "gradient_tape/" + self.scopes[-1]
+    keep = self.keep
+    below, stack = set(), list(self.grads | self.reruns)
+    users = keep.users()
+    while stack:
+      i = stack.pop()
+      if i not in below:
+        below.add(i)
+        stack.extend(users[i])
+    gate = set()
+    for i in self.grads:
+      if not keep.program.names[i].startswith(last):
+        continue
+      for key in keep.program.nodes[i].inputs:
+        j = keep.producer.get(key)
+        if (j is None or j in below or j in self.forward or
+            keep.program.nodes[j].type in _NOT_RERUN):
+          continue
+        gate.add(key)
+    if not gate:
+      raise NotReadable(f"no gradient reaching {self.scopes[-1]}")
+    return sorted(gate)
+
+  def _copy(self, key, gate, before):
+    """The rerun's tensor for the forward tensor `key`: a copy of the op
+    that made it, on the rerun's copies of its forward inputs."""
+    j = self.producer[key]
+    if j not in self.made:
+      node = self.nodes[j]
+      inputs = [self._copy(k, gate, before)
+                if self.producer.get(k) in self.forward and
+                self._recomputed(self.producer[k]) else k
+                for k in node.inputs]
+      outputs = [("rerun:" + k, n,
+                  "rerun:" + a if a is not None and
+                  self.producer.get(a) in self.forward and
+                  self._recomputed(self.producer[a]) else a)
+                 for k, n, a in node.outputs]
+      self.nodes.append(predicting._Node(  # pylint: disable=protected-access
+          node.type, inputs, outputs, list(node.after) + gate,
+          node.transient))
+      self.names.append("rerun:" + self.names[j])
+      self.places.append(before - 1 + len(self.places) * 1e-9)
+      for k, _, _ in outputs:
+        self.producer[k] = len(self.nodes) - 1
+      self.made[j] = True
+    return "rerun:" + key
+
+
+def _forward_ops(names, unit):
+  """(the indices of `unit`'s forward ops, the scope its rerun and gradient
+  ops are under): a kept unit's `RematerializationLayer` scope `unit`, as
+  Keras names it (`unit`, or `unit_1`...)."""
+  pattern = re.compile(r"(^|/)" + re.escape(unit) + r"(_\d+)?/")
+  ops, scope = set(), None
+  for i, name in enumerate(names):
+    if name.startswith("gradient_tape/"):
+      continue
+    match = pattern.search(name)
+    if match is None:
+      continue
+    ops.add(i)
+    if scope is None:
+      rest = name[match.end():]
+      if "/" in rest:
+        scope = rest.split("/")[0] + "/"
+  return ops, scope
