@@ -112,8 +112,9 @@ on `sample_input` and checked by running the chosen one.
   Keeping everything's step is predicted first, before any layer is read:
   a budget below what is held plus the weight gradients its step returns
   and the margin is refused then. Every candidate is predicted as
-  `apply_plan` runs it (kept layers gated), by
-  `tfremat.measure.predict_peak`, and held to the budget with
+  `apply_plan` runs it (kept layers gated), on the executor read from
+  keeping everything's program, the plan chosen from its own
+  (`tfremat.measure.predict_peak`), and held to the budget with
   `Plan.margin`; the plan chosen runs `settings.check_calls` training
   steps as a check (`Plan.measured`). Each layer's step is also traced
   with each axis of its input halved, for how its costs grow with the

@@ -1,8 +1,10 @@
 """The planner's choice, from predictions: each candidate's training step
-is read from its program (`Runner.predicted`, `tfremat.measure.predict_peak`)
-and held to the budget there; the one chosen is then run, a few steps, to
-check it (`checked`). The cost model (`cost_model.fastest`) proposes; the
-prediction of the whole step decides.
+is read from keeping everything's program where the runner can
+(`Runner.simulated`), else from its own (`Runner.predicted`,
+`tfremat.measure.predict_peak`), and held to the budget there; the one
+chosen is predicted from its own program before it is taken, and then run,
+a few steps, to check it (`checked`). The cost model
+(`cost_model.fastest`) proposes; the prediction of the whole step decides.
 
 One quantity covers what a prediction cannot see: on TensorFlow's executor,
 whose threads order independent ops differently from call to call, a
