@@ -13,6 +13,7 @@ from tfremat._src.keras_api.segments import Segment
 from tfremat._src.keras_api.segments import keep_all
 from tfremat._src.planning import search
 from tfremat._src.planning.runner import Batch
+from tfremat._src.planning.runner import ChainRunner
 from tfremat import models
 from conftest import planned_chain
 
@@ -108,3 +109,25 @@ def test_the_chosen_plan_is_predicted_from_its_own_program():
   own = runner.predicted(chosen.candidate, Batch(x, y))
   assert chosen.predicted_bytes == own
   assert plan.predicted_peak_at(plan.shape) == pytest.approx(own, rel=1e-6)
+
+
+def test_units_named_as_tensorflow_makes_names_unique_are_read_apart():
+  # Layers named dense, dense_1, ...: TensorFlow makes the first's scope
+  # unique as dense_1, where the second's is dense_1_2. Each unit's ops are
+  # its own, so a plan rerunning only the second is read as its own step.
+  keras.utils.set_random_seed(0)
+  layers = [keras.layers.Dense(512, activation="gelu") if i % 2 == 0 else
+            keras.layers.Dense(128, activation="tanh") for i in range(6)]
+  runner = ChainRunner(layers)
+  batch = Batch(tf.random.normal([256, 128]))
+  n = len(layers)
+  runner.predicted(search.Candidate(tuple(keep_all(n))), batch)
+  plans = [[Segment(i, i + 1, i == k) for i in range(n)] for k in range(n)]
+  plans += [[Segment(i, i + 1, True) for i in range(n)],
+            [Segment(i, i + 2, True) for i in range(0, n, 2)]]
+  for segments in plans:
+    candidate = search.Candidate(tuple(segments))
+    read = runner.simulated(candidate, batch)
+    own = runner.predicted(candidate, batch)
+    assert read is not None, segments
+    assert -0.1 <= read / own - 1 <= 0.2, (segments, read, own)

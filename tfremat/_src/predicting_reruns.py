@@ -54,10 +54,12 @@ class KeepProgram:
   """The keep-everything training step's program (a traced graph of a
   chain whose kept layers are gated), read for any plan of the chain."""
 
-  def __init__(self, graph, held):
+  def __init__(self, graph, held, units):
     self.graph = graph
     self.held = held
     self.program = _NamedProgram.of(graph)
+    # Each unit's forward ops and the scope of its rerun and gradient.
+    self.units = _unit_scopes(self.program, units)
     self.producer = {}
     for i, node in enumerate(self.program.nodes):
       for key, _, _ in node.outputs:
@@ -66,17 +68,19 @@ class KeepProgram:
     self._users = None
 
   @classmethod
-  def of(cls, step):
-    """From a `predicting.Step` on TensorFlow's executor."""
+  def of(cls, step, units):
+    """From a `predicting.Step` on TensorFlow's executor, of a chain whose
+    kept units run as the `RematerializationLayer`s named `units`, in
+    chain order."""
     concrete = step.function.get_concrete_function(*step.args, **step.kwargs)
-    return cls(concrete.graph, {t.name for t in concrete.graph.outputs})
+    return cls(concrete.graph, {t.name for t in concrete.graph.outputs},
+               units)
 
   def peak(self, segments=()):
     """The simulated peak with `segments` rematerialized: each a pair of
-    (the names of its units' `RematerializationLayer`s in chain order,
-    None or a function of a graph op that says whether its save policy
-    keeps it); `()` is keeping everything, `predict_peak`'s figure for this
-    program."""
+    (its units' indices in the chain, None or a function of a graph op
+    that says whether its save policy keeps it); `()` is keeping
+    everything, `predict_peak`'s figure for this program."""
     nodes, names = self._rewritten(segments)
     program = predicting._Program()  # pylint: disable=protected-access
     program.nodes = nodes
@@ -123,12 +127,14 @@ class _Rerun:
     self.keep, self.nodes, self.names = keep, nodes, names
     self.places = places
     self.producer, self.policy = producer, policy
-    found = [_forward_ops(keep.program.names, unit) for unit in units]
+    found = [keep.units[i] for i in units]
     if not all(ops for ops, _ in found):
-      missing = [u for u, (ops, _) in zip(units, found) if not ops]
-      raise NotReadable(f"no forward ops of {missing}")
+      raise NotReadable(f"no forward ops of units {list(units)}")
     self.forward = set().union(*(ops for ops, _ in found))
-    self.scopes = [scope for _, scope in found]
+    # A unit without a rerun scope has no rerun: its backward pass reads
+    # nothing of its forward pass's own (a Dense head reads its input and
+    # weights).
+    self.scopes = [scope for _, scope in found if scope is not None]
     own = keep.program.names
     self.reruns = {i for i, n in enumerate(own)
                    if any(n.startswith(s) for s in self.scopes)}
@@ -138,6 +144,8 @@ class _Rerun:
     self.made = {}
 
   def apply(self):
+    if not self.scopes:
+      return
     if not self.grads:
       raise NotReadable(f"no gradient ops under {self.scopes}")
     gate = None
@@ -224,21 +232,43 @@ class _Rerun:
     return "rerun:" + key
 
 
-def _forward_ops(names, unit):
-  """(the indices of `unit`'s forward ops, the scope its rerun and gradient
-  ops are under): a kept unit's `RematerializationLayer` scope `unit`, as
-  Keras names it (`unit`, or `unit_1`...)."""
-  pattern = re.compile(r"(^|/)" + re.escape(unit) + r"(_\d+)?/")
-  ops, scope = set(), None
+def _unit_scopes(program, units):
+  """(forward op indices, rerun scope) of each of `units` (the chain's
+  `RematerializationLayer` names, in order). The scope a unit's forward
+  ops are under is its name, or as TensorFlow makes it unique (`dense_1`
+  for `dense`, where a unit `dense_1` follows under `dense_1_2`): scopes
+  are given out in the order they first appear, each to the first unit
+  not yet given one whose name it can be, as the chain calls its units in
+  order. Its rerun's scope is that of the `Identity`s outside any forward
+  pass that read its forward tensors (its gradient's, the same under
+  `gradient_tape/`); None where there are none."""
+  names = program.names
+  patterns = [re.compile(re.escape(u) + r"(_\d+)?") for u in units]
+  owner, taken = {}, set()
+  forward = [set() for _ in units]
   for i, name in enumerate(names):
     if name.startswith("gradient_tape/"):
       continue
-    match = pattern.search(name)
-    if match is None:
+    for part in name.split("/")[:-1]:
+      if part not in owner:
+        k = next((k for k, p in enumerate(patterns)
+                  if k not in taken and p.fullmatch(part)), None)
+        owner[part] = k
+        if k is not None:
+          taken.add(k)
+      if owner[part] is not None:
+        forward[owner[part]].add(i)
+        break
+  unit_of = {key: k for k, ops in enumerate(forward) for i in ops
+             for key, _, _ in program.nodes[i].outputs}
+  everywhere = set().union(*forward)
+  votes = [collections.Counter() for _ in units]
+  for i, node in enumerate(program.nodes):
+    if (node.type != "Identity" or i in everywhere or len(node.inputs) != 1
+        or "/" not in names[i] or names[i].startswith("gradient_tape/")):
       continue
-    ops.add(i)
-    if scope is None:
-      rest = name[match.end():]
-      if "/" in rest:
-        scope = rest.split("/")[0] + "/"
-  return ops, scope
+    k = unit_of.get(node.inputs[0])
+    if k is not None:
+      votes[k][names[i].split("/")[0] + "/"] += 1
+  return [(ops, vote.most_common(1)[0][0] if vote else None)
+          for ops, vote in zip(forward, votes)]

@@ -171,7 +171,7 @@ class Runner:
     resolved = predicting.step_of(step, args, {})
     if resolved.jit_compile:
       return predicting.predict_peak(step, *args) // self.replicas
-    keep = predicting_reruns.KeepProgram.of(resolved)
+    keep = predicting_reruns.KeepProgram.of(resolved, units)
     self._keep[_shapes(batch)] = keep, resolved.converted_bytes
     return (keep.peak() + resolved.converted_bytes) // self.replicas
 
@@ -187,11 +187,9 @@ class Runner:
         s.nested for s in candidate.segments):
       return None
     keep, converted = found
-    units = self.unit_names()
     try:
-      peak = keep.peak([([units[i] for i in range(s.start, s.stop)],
-                         _keeps(s.policy)) for s in candidate.segments
-                        if s.remat])
+      peak = keep.peak([(range(s.start, s.stop), _keeps(s.policy))
+                        for s in candidate.segments if s.remat])
     except predicting_reruns.NotReadable:
       return None
     return (peak + converted) // self.replicas
