@@ -233,8 +233,11 @@ def test_a_step_compiled_for_any_batch_trains_as_the_model_does():
 
   plain, base = model(True), model(False)
   # Planned on the executor (a compile per prediction under XLA would make
-  # this test slow), then trained compiled.
-  planned = tfremat.remat_model(base, budget=0.7, sample_input=_rows(256)[0],
+  # this test slow), then trained compiled. At 70% the chosen plan's bound
+  # fitted the room by 1.6%, and in CI, beside other tests, the check's
+  # calls all peaked above the prediction, which refused the sample; at 75%
+  # by 5.6%.
+  planned = tfremat.remat_model(base, budget=0.75, sample_input=_rows(256)[0],
                                 sample_target=_rows(256)[1], verbose=0)
   planned.compile(optimizer="adam", jit_compile=True,
                   loss=keras.losses.SparseCategoricalCrossentropy(

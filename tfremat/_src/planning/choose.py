@@ -50,8 +50,9 @@ def predicted_measured(peak, margin):
 
 
 # How far a peak read from keeping everything's program may lie above the
-# candidate's own program's prediction (`predicting_reruns`: from -4% to
-# +16% on the plans of four model families): a candidate read within this
+# candidate's own program's prediction (`predicting_reruns`: from -4.4% to
+# +8.4% on four model families' plans, +16% on a small LM recomputing every
+# block; tests/read_plans_test.py): a candidate read within this
 # over the room is predicted from its own program before it is passed over.
 _READ_ERROR = 0.2
 

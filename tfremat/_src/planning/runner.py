@@ -165,8 +165,10 @@ class Runner:
     batch = self.step_batch(batch)
     step, *args = self.predictable(candidate, batch)
     units = self.unit_names()
+    # Under a tf.distribute strategy each replica's ops are scoped apart:
+    # every candidate is predicted from its own program there.
     if (units is None or self.jit or any(s.remat for s in candidate.segments)
-        or candidate.ordered):
+        or candidate.ordered or tf.distribute.has_strategy()):
       return predicting.predict_peak(step, *args) // self.replicas
     resolved = predicting.step_of(step, args, {})
     if resolved.jit_compile:
