@@ -60,11 +60,8 @@ class KeepProgram:
     self.program = _NamedProgram.of(graph)
     # Each unit's forward ops and the scope of its rerun and gradient.
     self.units = _unit_scopes(self.program, units)
-    self.producer = {}
-    for i, node in enumerate(self.program.nodes):
-      for key, _, _ in node.outputs:
-        self.producer[key] = i
-    self.index = {name: i for i, name in enumerate(self.program.names)}
+    # Each tensor's (and op name's) node.
+    self.producer = self.program._producer  # pylint: disable=protected-access
     self._users = None
 
   @classmethod
@@ -81,13 +78,9 @@ class KeepProgram:
     (its units' indices in the chain, None or a function of a graph op
     that says whether its save policy keeps it); `()` is keeping
     everything, `predict_peak`'s figure for this program."""
-    nodes, names = self._rewritten(segments)
     program = predicting._Program()  # pylint: disable=protected-access
-    program.nodes = nodes
-    for i, node in enumerate(nodes):
-      program._producer[names[i]] = i  # pylint: disable=protected-access
-      for key, _, _ in node.outputs:
-        program._producer[key] = i  # pylint: disable=protected-access
+    for node, name in zip(*self._rewritten(segments)):
+      program._append(node, name, "")  # pylint: disable=protected-access
     schedule = predicting._Schedule(  # pylint: disable=protected-access
         program, self.held, predicting.executor_lanes())
     return schedule.peak()
@@ -112,11 +105,9 @@ class KeepProgram:
     """Each node's readers (by index), data and control."""
     if self._users is None:
       self._users = collections.defaultdict(list)
-      for i, node in enumerate(self.program.nodes):
-        for key in node.inputs + node.after:
-          j = self.producer.get(key, self.index.get(key))
-          if j is not None:
-            self._users[j].append(i)
+      for i, deps in enumerate(self.program.dependencies()):
+        for j in deps:
+          self._users[j].append(i)
     return self._users
 
 
@@ -149,7 +140,6 @@ class _Rerun:
     if not self.grads:
       raise NotReadable(f"no gradient ops under {self.scopes}")
     gate = None
-    replaced = 0
     for i in sorted(self.reruns):
       node = self.nodes[i]
       if node.type != "Identity" or len(node.inputs) != 1:
@@ -162,7 +152,6 @@ class _Rerun:
       new = self._copy(key, gate, i)
       self.nodes[i] = predicting._Node(  # pylint: disable=protected-access
           "Identity", [new], [(node.outputs[0][0], 0, new)], node.after)
-      replaced += 1
     # Replacing nothing, the segment's backward pass reads nothing of its
     # forward pass's own (a Dense layer's reads its input and weights):
     # its rerun is pruned, and its step is keeping everything's.
