@@ -20,14 +20,13 @@ import tensorflow as tf
 
 from tfremat import errors
 
-__all__ = ["predict_peak", "Step", "step_of", "executor_lanes", "traced_work"]
+__all__ = ["predict_peak", "peak_of", "Step", "step_of", "executor_lanes",
+           "traced_work"]
 
 
 def executor_lanes():
-  """How many ops the executor runs at once: one on each of its inter-op
-  threads (as many as the machine's cores unless set), and one on the
-  thread that called the step (docs/design.md, "A peak read from the
-  program")."""
+  """How many ops the executor runs at once: one per inter-op thread (as
+  many as the cores unless set) and the caller's (docs/design.md)."""
   threads = tf.config.threading.get_inter_op_parallelism_threads()
   return (threads or os.cpu_count() or 1) + 1
 
@@ -81,24 +80,27 @@ def predict_peak(step, *args, **kwargs):
     tf.errors.InvalidArgumentError: XLA cannot compile the step (XLA's
       reason; so would the step's first call).
   """
-  resolved = step_of(step, args, kwargs)
-  if resolved.jit_compile:
-    peak = _xla_peak(resolved)
-  else:
-    peak = _executor_peak(resolved)
-  return int(peak + resolved.converted_bytes)
+  return peak_of(step_of(step, args, kwargs))
+
+
+def peak_of(step):
+  """`predict_peak`'s figure for a `step_of` Step, left traced (`call`)."""
+  peak = _xla_peak(step) if step.jit_compile else _executor_schedule(
+      step).top
+  return int(peak + step.converted_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-  """A step as its program is traced: `function` (a fresh `tf.function`,
-  traced for these shapes alone) called with `args` and `kwargs` (specs in
-  place of arrays), and the bytes of the arrays the call converts."""
+  """A step as its program is traced: a fresh `function` traced for `args`
+  and `kwargs` (specs in place of arrays) alone, the bytes of the arrays
+  the call converts, and `call`, which runs it on the arguments given."""
   function: object
   args: tuple
   kwargs: dict
   jit_compile: bool
   converted_bytes: int
+  call: object
 
 
 def step_of(step, args, kwargs):
@@ -122,7 +124,8 @@ def step_of(step, args, kwargs):
   function = tf.function(python_function, jit_compile=jit,
                          autograph=getattr(step, "_autograph", True))
   specs, kw_specs = _specs(args), _specs(kwargs)
-  return Step(function, specs, kw_specs, jit, _converted(args, kwargs))
+  return Step(function, specs, kw_specs, jit, _converted(args, kwargs),
+              lambda: function(*args, **kwargs))
 
 
 def _is_keras_model(obj):
@@ -166,8 +169,8 @@ def _keras_step(model, x, y=None, sample_weight=None, class_weight=None,
   data = (x, y, sample_weight)
   build = getattr(model, "_maybe_symbolic_build", None) or getattr(
       model, "_symbolic_build")
-  # Optimizer slots and metrics are built as train_on_batch builds them
-  # (outside the step), so the trace creates no variables.
+  # Slots and metrics are built as train_on_batch builds them (no trace
+  # creates variables).
   build(data_batch=tf.nest.map_structure(_spec_or_value, data))
 
   jit = bool(model.jit_compile)
@@ -178,7 +181,8 @@ def _keras_step(model, x, y=None, sample_weight=None, class_weight=None,
     def one_step_on_data(batch):
       return model.distribute_strategy.run(model.train_step, args=(batch,))
     function = tf.function(one_step_on_data, jit_compile=jit)
-  return Step(function, (_specs(data),), {}, jit, _converted((data,), {}))
+  return Step(function, (_specs(data),), {}, jit, _converted((data,), {}),
+              lambda: function(data))
 
 
 def _keras_function(model):
@@ -269,10 +273,6 @@ def _xla_peak(step):
 
 
 # On TensorFlow's executor.
-
-
-def _executor_peak(step):
-  return _executor_schedule(step).top
 
 
 def _executor_schedule(step):

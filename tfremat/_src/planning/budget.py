@@ -193,37 +193,32 @@ def _overhead_growth(plan, runner, cuts):
 
 def checked(plan, runner, batch, settings):
   """`plan` with its step run `settings.check_calls` times on `batch`
-  (`Plan.measured`: the largest peak), the prediction's check. On the
-  executor it runs in a step traced for any size of the axes that may
-  change, as `fit` runs once it has seen a second shape, where a plan with
-  variants runs them in a `tf.switch_case` (under XLA in a step traced
-  for the sample's shapes, as `fit`'s first step: XLA's buffer assignment
-  does not move with threads, and its step for any shape compiles the
-  chosen variant alone at each shape). Where
-  they do not trace together (under a save policy, a KerasHub
-  `TransformerDecoder`'s rerun in a branch built other ops than its
-  forward pass: `RerunMismatchError`), the plan's own segments become its
-  only variant. Where the largest peak is over what
-  the budget leaves the step, what every call held beyond the prediction
-  (the smallest peak's excess) is added to the variants' predictions (so
-  that a lower one runs at the sample), raising where none is then
-  predicted to fit."""
-  if runner.jit:
-    # Under XLA, in the step traced for the sample's shapes.
-    peaks = runner.peaks(search.Candidate(plan.segments, plan.ordered),
-                         batch, settings.check_calls)
-  else:
+  (`Plan.measured`: the largest peak), the prediction's check: in the step
+  traced for the sample's shapes, as `fit`'s first step, which the chosen
+  plan's prediction traced (under XLA, compiled), so that the check adds
+  no trace. On the executor, a plan whose variants run a save policy is
+  first traced (not run) for any shape, as `fit` traces it once it has
+  seen a second shape, with its variants in a `tf.switch_case`: where they
+  do not trace together (a KerasHub `TransformerDecoder`'s rerun in a
+  branch built other ops than its forward pass: `RerunMismatchError`), the
+  plan's own segments become its only variant. Where the largest peak is
+  over what the budget leaves the step, what every call held beyond the
+  prediction (the smallest peak's excess) is added to the variants'
+  predictions (so that a lower one runs at the sample), raising where none
+  is then predicted to fit."""
+  if not runner.jit and len(plan.variants) > 1 and any(
+      s.remat and s.policy is not None for v in plan.variants for s in v):
     try:
-      peaks = runner.relaxed_peaks(plan, batch, settings.check_calls)
+      runner.trace_relaxed(plan, batch)
     except errors.RerunMismatchError:
       own = plan.variant_peak(plan.segments)
       plan = plan.replace(variants=(tuple(plan.segments),),
                           variant_peaks=() if own is None else (own,))
-      peaks = runner.relaxed_peaks(plan, batch, settings.check_calls)
+  peaks = runner.peaks(search.Candidate(plan.segments, plan.ordered),
+                       batch, settings.check_calls)
   plan = plan.replace(measured=Measured.largest(peaks))
   room, predicted = plan.step_budget_bytes, plan.predicted_peak_at(plan.shape)
-  # What every call held beyond the prediction: in a step traced for any
-  # shape kept layers run ungated, and one call's peak there moves with
+  # What every call held beyond the prediction: one call's peak moves with
   # thread timing (on a loaded machine a CNN's by 2 MiB on 10, which,
   # added to every variant, refused a budget its lowest plan met by 16%).
   if room is not None and max(peaks) > room and min(peaks) > predicted:

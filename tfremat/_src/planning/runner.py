@@ -2,12 +2,12 @@
 planning that touches a model's step. The planner hands a runner
 candidates (segments, ordered) and batches; it applies each through
 `apply_plan` and predicts its step's peak from the program (`predicted`,
-`tfremat.measure.predict_peak`), or runs the chosen plan's step to check it
-(`relaxed_peaks`, in a step traced for any size of the axes that may
-change, as `fit` runs once it has seen a second shape; `peaks`, in one
-traced for the batch's shapes), and says what training holds besides the
-step; everything a check trains is put back. Tests hand the planner a
-stand-in runner instead.
+`tfremat.measure.predict_peak`), runs the chosen plan's step to check it
+(`peaks`, in the step its prediction traced for the batch's shapes), traces
+it for any size of the axes that may change (`trace_relaxed`, as `fit`
+does once it has seen a second shape), and says what training holds
+besides the step; everything a check trains is put back. Tests hand the
+planner a stand-in runner instead.
 
   ChainRunner    a chain of layers (`remat_sequential`, the builder): the
                  stand-in step, the gradient of sum(y**2)/2 of its output
@@ -121,6 +121,9 @@ class Runner:
     # The batch's shapes -> (the keep-everything step's KeepProgram, the
     # bytes its call converts), on the executor.
     self._keep = {}
+    # (Candidate, the batch's shapes) -> the `predicting.Step` its own
+    # prediction traced, which `peaks` runs instead of tracing it again.
+    self._traced = {}
     # Under a tf.distribute strategy, a budget is one replica's: the
     # replicas that share the measured memory are divided out, and
     # train_on_batch takes a batch for every replica.
@@ -147,16 +150,6 @@ class Runner:
     step)."""
     raise NotImplementedError
 
-  def relaxed_peaks(self, plan, batch, calls):
-    """Each of `calls` steps' peaks of `plan` on `batch` (one replica's),
-    in its step traced for any size of the axes that may change, as `fit`
-    runs once it has seen a second shape; what they train is put back."""
-    step = self.build(plan, relaxed=True)
-    batch = self.step_batch(batch)
-    with measure.restoring(self.state()):
-      return [p // self.replicas for p in measure.peaks(
-          step, batch, calls=calls)]
-
   def predicted(self, candidate, batch):
     """`candidate`'s training step's peak on `batch` (one replica's),
     read from its program (`tfremat.measure.predict_peak`): nothing runs.
@@ -164,15 +157,17 @@ class Runner:
     `simulated`."""
     batch = self.step_batch(batch)
     step, *args = self.predictable(candidate, batch)
+    resolved = predicting.step_of(step, args, {})
     units = self.unit_names()
     # Under a tf.distribute strategy each replica's ops are scoped apart:
-    # every candidate is predicted from its own program there.
-    if (units is None or self.jit or any(s.remat for s in candidate.segments)
-        or candidate.ordered or tf.distribute.has_strategy()):
-      return predicting.predict_peak(step, *args) // self.replicas
-    resolved = predicting.step_of(step, args, {})
-    if resolved.jit_compile:
-      return predicting.predict_peak(step, *args) // self.replicas
+    # every candidate is predicted from its own program there (and its
+    # check runs as `fit` runs it).
+    if tf.distribute.has_strategy():
+      return predicting.peak_of(resolved) // self.replicas
+    self._traced[(candidate, _shapes(batch))] = resolved
+    if (units is None or resolved.jit_compile or candidate.ordered or
+        any(s.remat for s in candidate.segments)):
+      return predicting.peak_of(resolved) // self.replicas
     keep = predicting_reruns.KeepProgram.of(resolved, units)
     self._keep[_shapes(batch)] = keep, resolved.converted_bytes
     return (keep.peak() + resolved.converted_bytes) // self.replicas
@@ -212,15 +207,30 @@ class Runner:
       self._built[candidate] = self.build(candidate)
     return self._built[candidate]
 
+  def trace_relaxed(self, plan, batch):
+    """Traces `plan`'s step for any size of the axes that may change, as
+    `fit` does once it has seen a second shape, with its variants in a
+    `tf.switch_case`, without running it where the step allows."""
+    step, batch = self.build(plan, relaxed=True), self.step_batch(batch)
+    if hasattr(step, "trace"):
+      step.trace(batch)
+      return
+    with measure.restoring(self.state()):
+      measure.wait_for(step(batch))
+
   def peaks(self, candidate, batch, calls):
     """Every call's peak of `calls` training steps of `candidate` on
     `batch` (one replica's, under a strategy), in a step traced for the
-    batch's shapes (the first call traces it, unmeasured). What they
-    trained is put back."""
+    batch's shapes: the one its prediction traced, where there is one (the
+    first call, unmeasured, traces or starts it). What they trained is put
+    back."""
     batch = self.step_batch(batch)
+    traced = self._traced.get((candidate, _shapes(batch)))
+    run = (self._run(candidate) if traced is None else
+           lambda unused_batch: traced.call())
     with measure.restoring(self.state()):
       return [p // self.replicas for p in measure.peaks(
-          self._run(candidate), batch, calls=calls)]
+          run, batch, calls=calls)]
 
 
 def _keeps(policy):
@@ -239,7 +249,10 @@ def _stand_in(layer, relaxed=False):
   """A `Batch` -> the stand-in training step of `layer` on its inputs
   (`relaxed`: traced for any size of their axes)."""
   step = profile.training_step(layer, relaxed=relaxed)
-  return lambda batch: step(batch.x)
+  run = lambda batch: step(batch.x)
+  if isinstance(step, measure.RelaxedFunction):
+    run.trace = lambda batch: step.trace(batch.x)
+  return run
 
 
 class ChainRunner(Runner):
@@ -294,10 +307,14 @@ def train_step(model, relaxed=False):
       lambda x, y: model.train_step((x, y, None)),
       jit_compile=model.jit_compile is True)
 
-  def run(batch):
+  def built(batch):
     # pylint: disable-next=protected-access
     model._maybe_symbolic_build(data_batch=(batch.x, batch.y, None))
-    return step(batch.x, batch.y)
+    return batch.x, batch.y
+
+  run = lambda batch: step(*built(batch))
+  if relaxed:
+    run.trace = lambda batch: step.trace(*built(batch))
   return run
 
 
