@@ -586,3 +586,40 @@ def test_only_ops_reading_the_inputs_are_candidates():
   assert list(saver.saved) == [("MatMul", 0)]
   assert saver.signatures["MatMul"] == [(((2, 3), tf.float32),)]
   assert ("checkpoint", "n") in saver.signatures
+
+
+@pytest.mark.parametrize("name", ["dots_saveable", "everything_saveable"])
+def test_an_argument_captured_into_a_branch_is_data_in_both_passes(name):
+  # In a tf.switch_case branch (a planned chain's variants in a step traced
+  # for any shape) an argument made outside the branch reaches the
+  # function's ops through the branch's capture of it. The forward pass
+  # took the capture for a constant and numbered only the ops reading the
+  # other argument; the rerun, whose arguments are its own inputs, numbered
+  # both, and raised RerunMismatchError (a KerasHub TransformerDecoder's
+  # padding mask, planned under a policy, did so).
+  w1 = tf.Variable(tf.random.stateless_normal([4, 4], seed=[1, 1]))
+  w2 = tf.Variable(tf.random.stateless_normal([4, 4], seed=[1, 2]))
+
+  def gradients(remat):
+    @tf.function(input_signature=[tf.TensorSpec([None, 4]),
+                                  tf.TensorSpec([None, 4]),
+                                  tf.TensorSpec([], tf.int32)])
+    def step(x, m, branch):
+      # Read outside the branch: TensorFlow's cond gradient does not
+      # resolve a variable first captured inside one.
+      v1, v2 = w1 * 1.0, w2 * 1.0
+
+      def fn(a, b):
+        return tf.tanh(tf.matmul(b, v1)) * tf.tanh(tf.matmul(a, v2))
+
+      def first():
+        a = x * 2.0  # Made in the branch; m is captured into it.
+        return (tfremat.RematerializeFn(fn, a, m, policy=name) if remat
+                else fn(a, m))
+      y = tf.switch_case(branch, [first, lambda: x + m])
+      return tf.gradients(tf.reduce_sum(y**2), [x, m, w1, w2])
+    return step(tf.random.stateless_normal([3, 4], seed=[1, 3]),
+                tf.random.stateless_normal([3, 4], seed=[1, 4]),
+                tf.constant(0))
+
+  assert_trees_close(gradients(True), gradients(False))

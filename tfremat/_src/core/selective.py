@@ -179,6 +179,19 @@ def is_random_draw(op_type):
 _SHAPE_OPS = frozenset(["Shape", "ShapeN", "Size", "Rank"])
 
 
+def _captured(tensor):
+  """What `tensor` captures from an outer graph where it is a function
+  graph's placeholder for it (an argument made outside a `tf.switch_case`
+  branch, read inside: the forward pass reads the capture, the rerun its
+  own input), else None."""
+  if tensor.op.type != "Placeholder" or tensor.dtype == tf.resource:
+    return None
+  for external, internal in getattr(tensor.graph, "captures", ()):
+    if internal is tensor:
+      return external
+  return None
+
+
 class _DataTracker:
   """Follows which tensors of the graph depend on the function's inputs or
   on its random draws (dropout masks).
@@ -209,7 +222,8 @@ class _DataTracker:
       return False
     if op_type in _SHAPE_OPS and not self._shapes_are_data:
       return False
-    if any(id(t) in self._data for t in inputs):
+    if any(id(t) in self._data or id(_captured(t)) in self._data
+           for t in inputs):
       self.mark(outputs)
       return True
     return False
