@@ -331,10 +331,11 @@ def test_a_fraction_lets_a_much_smaller_batch_run_within_the_samples_bytes():
 
 @pytest.mark.slow
 def test_a_gpt2_backbone_planned_at_one_length_trains_at_others():
-  # Its plan's variants, in a tf.switch_case, do not trace for any length:
-  # under a save policy, a TransformerDecoder's rerun in a branch builds
-  # other ops than its forward pass (RerunMismatchError). The sample's
-  # segments then run alone at every length (planning raised a TypeError).
+  # Its plan's variants run save policies in a tf.switch_case, for any
+  # length: there each TransformerDecoder's forward pass reads the padding
+  # mask through the branch's capture of it, which its rerun must number
+  # as it does its own input (it raised RerunMismatchError; before that,
+  # planning raised a TypeError).
   pytest.importorskip("keras_hub")
   from tfremat import models  # pylint: disable=g-import-not-at-top
   model = models.hub_backbone("GPT2Backbone")

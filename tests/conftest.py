@@ -301,7 +301,6 @@ def restore(variables, values):
     v.assign(value)
 
 
-
 def parity_loss(outputs):
   """A loss with a non-uniform gradient for every floating output.
 
@@ -570,10 +569,6 @@ class StandInRunner:
   def simulated(self, candidate, batch):
     """No program to read other plans from: each is predicted."""
     del candidate, batch
-
-  def trace_relaxed(self, plan, batch):
-    """Nothing to trace: the stand-in's variants always trace together."""
-    del plan, batch
 
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"

@@ -80,10 +80,6 @@ class _Lines:
     del every_program
     return [self.predicted(candidate, batch)] * calls
 
-  def trace_relaxed(self, plan, batch):
-    """Nothing to trace: the stand-in's variants always trace together."""
-    del plan, batch
-
 
 # Three layers whose lowest plan reruns the first two as one segment (the
 # first layer's large output is not kept).

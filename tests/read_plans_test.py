@@ -113,8 +113,10 @@ def test_the_chosen_plan_is_predicted_from_its_own_program():
 
 def test_the_check_runs_the_step_its_prediction_traced(monkeypatch):
   # The chosen plan's step, traced for the sample's shapes to predict it,
-  # is what the check runs: the planner traces no step to check it (it
-  # built one for its check, 1-7 s a trace on the models here).
+  # is what the check runs: the planner builds no step to check it (it
+  # traced and ran one for any shape with every variant in a
+  # tf.switch_case: 39 s of the 8-block LM's 72 s plan), with or without
+  # save policies among the variants.
   from tfremat._src.planning import runner as runner_lib  # pylint: disable=g-import-not-at-top
   built = []
   build = runner_lib.ModelRunner.build
@@ -123,18 +125,15 @@ def test_the_check_runs_the_step_its_prediction_traced(monkeypatch):
                       build(self, c, relaxed))
   model, x, y = _mlp()
   for policies in ((), tfremat.policies.PLANNED):
-    built.clear()
     planned = tfremat.remat_model(model, budget="60%", sample_input=x,
                                   sample_target=y, policies=policies,
                                   verbose=0)
     plan = planned_chain(planned).plan
     assert plan.measured is not None and plan.measured.calls == 3
-    # Only variants under a save policy are traced for any shape (not run),
-  # to find those that do not trace together.
     kept = any(s.remat and s.policy is not None
                for v in plan.variants for s in v)
     assert len(plan.variants) > 1 and kept == bool(policies)
-    assert built == ([True] if kept else []), (built, plan.variants)
+  assert not built, built
 
 
 def test_units_named_as_tensorflow_makes_names_unique_are_read_apart():

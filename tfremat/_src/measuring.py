@@ -427,13 +427,9 @@ class RelaxedFunction:
     self._traced = None
 
   def __call__(self, *args):
-    return self.trace(*args)(*args)
-
-  def trace(self, *args):
-    """The `tf.function` traced for any size of `args`' axes, not run."""
     if self._traced is None:
       self._traced = self._trace(args)
-    return self._traced
+    return self._traced(*args)
 
   def _trace(self, args):
     for batch_only in (False, True):

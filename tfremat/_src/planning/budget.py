@@ -196,24 +196,10 @@ def checked(plan, runner, batch, settings):
   (`Plan.measured`: the largest peak), the prediction's check: in the step
   traced for the sample's shapes, as `fit`'s first step, which the chosen
   plan's prediction traced (under XLA, compiled), so that the check adds
-  no trace. On the executor, a plan whose variants run a save policy is
-  first traced (not run) for any shape, as `fit` traces it once it has
-  seen a second shape, with its variants in a `tf.switch_case`: where they
-  do not trace together (a KerasHub `TransformerDecoder`'s rerun in a
-  branch built other ops than its forward pass: `RerunMismatchError`), the
-  plan's own segments become its only variant. Where the largest peak is
-  over what the budget leaves the step, what every call held beyond the
-  prediction (the smallest peak's excess) is added to the variants'
-  predictions (so that a lower one runs at the sample), raising where none
-  is then predicted to fit."""
-  if not runner.jit and len(plan.variants) > 1 and any(
-      s.remat and s.policy is not None for v in plan.variants for s in v):
-    try:
-      runner.trace_relaxed(plan, batch)
-    except errors.RerunMismatchError:
-      own = plan.variant_peak(plan.segments)
-      plan = plan.replace(variants=(tuple(plan.segments),),
-                          variant_peaks=() if own is None else (own,))
+  no trace. Where the largest peak is over what the budget leaves the
+  step, what every call held beyond the prediction (the smallest peak's
+  excess) is added to the variants' predictions (so that a lower one runs
+  at the sample), raising where none is then predicted to fit."""
   peaks = runner.peaks(search.Candidate(plan.segments, plan.ordered),
                        batch, settings.check_calls)
   plan = plan.replace(measured=Measured.largest(peaks))

@@ -3,10 +3,9 @@ planning that touches a model's step. The planner hands a runner
 candidates (segments, ordered) and batches; it applies each through
 `apply_plan` and predicts its step's peak from the program (`predicted`,
 `tfremat.measure.predict_peak`), runs the chosen plan's step to check it
-(`peaks`, in the step its prediction traced for the batch's shapes), traces
-it for any size of the axes that may change (`trace_relaxed`, as `fit`
-does once it has seen a second shape), and says what training holds
-besides the step; everything a check trains is put back. Tests hand the
+(`peaks`, in the step its prediction traced for the batch's shapes), and
+says what training holds besides the step; everything a check trains is
+put back. Tests hand the
 planner a stand-in runner instead.
 
   ChainRunner    a chain of layers (`remat_sequential`, the builder): the
@@ -207,17 +206,6 @@ class Runner:
       self._built[candidate] = self.build(candidate)
     return self._built[candidate]
 
-  def trace_relaxed(self, plan, batch):
-    """Traces `plan`'s step for any size of the axes that may change, as
-    `fit` does once it has seen a second shape, with its variants in a
-    `tf.switch_case`, without running it where the step allows."""
-    step, batch = self.build(plan, relaxed=True), self.step_batch(batch)
-    if hasattr(step, "trace"):
-      step.trace(batch)
-      return
-    with measure.restoring(self.state()):
-      measure.wait_for(step(batch))
-
   def peaks(self, candidate, batch, calls):
     """Every call's peak of `calls` training steps of `candidate` on
     `batch` (one replica's, under a strategy), in a step traced for the
@@ -249,10 +237,7 @@ def _stand_in(layer, relaxed=False):
   """A `Batch` -> the stand-in training step of `layer` on its inputs
   (`relaxed`: traced for any size of their axes)."""
   step = profile.training_step(layer, relaxed=relaxed)
-  run = lambda batch: step(batch.x)
-  if isinstance(step, measure.RelaxedFunction):
-    run.trace = lambda batch: step.trace(batch.x)
-  return run
+  return lambda batch: step(batch.x)
 
 
 class ChainRunner(Runner):
@@ -307,14 +292,10 @@ def train_step(model, relaxed=False):
       lambda x, y: model.train_step((x, y, None)),
       jit_compile=model.jit_compile is True)
 
-  def built(batch):
+  def run(batch):
     # pylint: disable-next=protected-access
     model._maybe_symbolic_build(data_batch=(batch.x, batch.y, None))
-    return batch.x, batch.y
-
-  run = lambda batch: step(*built(batch))
-  if relaxed:
-    run.trace = lambda batch: step.trace(*built(batch))
+    return step(batch.x, batch.y)
   return run
 
 
