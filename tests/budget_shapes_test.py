@@ -355,6 +355,8 @@ def test_a_gpt2_backbone_planned_at_one_length_trains_at_others():
   ran = [length for length in (64, 32, 96)
          if _step_total(planned, *batch(length)) is not None]
   assert 64 in ran, ran
+  # All its variants, not the sample's plan alone (at 64, 32 and 96 here).
+  assert len(planned_chain(planned).plan.variants) > 1
 
 
 def test_a_group_of_layers_built_on_the_sample_fixes_no_axis():
