@@ -147,7 +147,6 @@ def plan_budget(chain, runner, batch, budget, *, policies=(), costs=None,
     shape = tuple(tf.convert_to_tensor(chain.input_of(batch)).shape)
     plan = with_variants(plan.replace(shape=shape), settings)
     plan = _variant_peaks(plan, runner, batch)
-    plan = _overhead_growth(plan, runner, cuts)
     plan = checked(plan, runner, batch, settings)
   if progress is not None:
     progress.update(progress.target, finalize=True)
@@ -172,23 +171,6 @@ def _variant_peaks(plan, runner, batch):
   peaks = tuple(found[v] if v in found else predicted(v)
                 for v in plan.variants)
   return plan.replace(variant_peaks=peaks)
-
-
-def _overhead_growth(plan, runner, cuts):
-  """`plan` with `overhead_per_size` read from its step predicted again
-  with the batch halved (the first of `cuts`, `perturbed`), where it
-  chooses between variants and the batch may change: what the step holds
-  beyond the cost model as `c + k * size`, through the two predictions
-  (`k` not below 0)."""
-  cut = next((c for c in cuts if c.axis == 0 and c.batch is not None), None)
-  if cut is None or len(plan.variants) < 2:
-    return plan
-  candidate = search.Candidate(plan.segments, plan.ordered)
-  costs = [c.at(cut.ratios) for c in plan.costs]
-  over = runner.predicted(candidate, cut.batch) - predict(
-      costs, list(plan.segments))[0]
-  slope = (plan.overhead_bytes - over) / (1.0 - cut.ratio)
-  return plan.replace(overhead_per_size=max(0.0, slope))
 
 
 def checked(plan, runner, batch, settings):

@@ -162,10 +162,6 @@ class Plan:
     variant_peaks: each variant's step's predicted peak at the sample, in
       the order of `variants` (empty: `overhead_bytes` stands for every
       variant's).
-    overhead_per_size: how `overhead_bytes` grows with the input's size
-      (its elements over the sample's), from this plan's step predicted
-      again at half the sample's batch; None: in proportion, and never
-      below the sample's.
     step: which training step was predicted: "train_on_batch" (a compiled
       model's, with its loss and optimizer) or "stand-in" (the gradient of
       sum(y**2)/2 of the outputs, no optimizer); None where nothing was.
@@ -188,7 +184,6 @@ class Plan:
   margin: float = 0.0
   predicted_keep: int = None
   variant_peaks: tuple = ()
-  overhead_per_size: float = None
   step: str = None
   search: object = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -392,7 +387,6 @@ class Plan:
         "margin": self.margin,
         "predicted_keep": self.predicted_keep,
         "variant_peaks": list(self.variant_peaks),
-        "overhead_per_size": self.overhead_per_size,
         "step": self.step,
     }
 
@@ -414,7 +408,6 @@ class Plan:
                margin=config.get("margin", 0.0),
                predicted_keep=config.get("predicted_keep"),
                variant_peaks=config.get("variant_peaks") or (),
-               overhead_per_size=config.get("overhead_per_size"),
                step=config.get("step"), **measured)
 
   def __str__(self):
@@ -427,9 +420,9 @@ def _rows(plan_, segments):
   the step predicted at the sample held beyond it (that variant's own, or
   keeping everything's, where predicted). Where the step held less (XLA
   fuses what the executor keeps), the cost model in that proportion at
-  every shape; where more, that excess growing with the input's size by
-  `overhead_per_size`, or where that is unknown in proportion and never
-  counted lower than at the sample."""
+  every shape; where more, that excess in proportion to the input's size
+  and never counted lower than at the sample (a bound where the excess is
+  a constant plus a part that grows with the size)."""
   costs = [c.symbolic(plan_.num_axes) for c in plan_.costs]
   model = predict(costs, list(segments))[0]
   predicted = plan_.variant_peak(segments)
@@ -442,9 +435,6 @@ def _rows(plan_, segments):
     # its lowest variant, where a constant predicted 9.8 MB.
     return model * (1.0 + over / model.at(()))
   size = growth.PROPORTIONAL(plan_.num_axes)
-  if plan_.overhead_per_size is not None:
-    slope = plan_.overhead_per_size
-    return model + size * slope + (over - slope)
   return model + growth.maximum(Rows.constant(over), size * over)
 
 
