@@ -5,8 +5,7 @@ candidates (segments, ordered) and batches; it applies each through
 `tfremat.measure.predict_peak`), runs the chosen plan's step to check it
 (`peaks`, in the step its prediction traced for the batch's shapes), and
 says what training holds besides the step; everything a check trains is
-put back. Tests hand the
-planner a stand-in runner instead.
+put back. Tests hand the planner a stand-in runner instead.
 
   ChainRunner    a chain of layers (`remat_sequential`, the builder): the
                  stand-in step, the gradient of sum(y**2)/2 of its output
