@@ -588,8 +588,9 @@ def test_only_ops_reading_the_inputs_are_candidates():
   assert ("checkpoint", "n") in saver.signatures
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["function", "xla"])
 @pytest.mark.parametrize("name", ["dots_saveable", "everything_saveable"])
-def test_an_argument_captured_into_a_branch_is_data_in_both_passes(name):
+def test_an_argument_captured_into_a_branch_is_data_in_both_passes(name, jit):
   # In a tf.switch_case branch (a planned chain's variants in a step traced
   # for any shape) an argument made outside the branch reaches the
   # function's ops through the branch's capture of it. The forward pass
@@ -603,7 +604,8 @@ def test_an_argument_captured_into_a_branch_is_data_in_both_passes(name):
   def gradients(remat):
     @tf.function(input_signature=[tf.TensorSpec([None, 4]),
                                   tf.TensorSpec([None, 4]),
-                                  tf.TensorSpec([], tf.int32)])
+                                  tf.TensorSpec([], tf.int32)],
+                 jit_compile=jit)
     def step(x, m, branch):
       # Read outside the branch: TensorFlow's cond gradient does not
       # resolve a variable first captured inside one.
