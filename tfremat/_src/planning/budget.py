@@ -177,8 +177,8 @@ def checked(plan, runner, batch, settings):
   """`plan` with its step run `settings.check_calls` times on `batch`
   (`Plan.measured`: the largest peak), the prediction's check: in the step
   traced for the sample's shapes, as `fit`'s first step, which the chosen
-  plan's prediction traced (under XLA, compiled), so that the check adds
-  no trace. Where the largest peak is over what the budget leaves the
+  plan's prediction traced, so that the check adds no trace (under XLA it
+  is compiled again as it runs). Where the largest peak is over what the budget leaves the
   step, what every call held beyond the prediction (the smallest peak's
   excess) is added to the variants' predictions (so that a lower one runs
   at the sample), raising where none is then predicted to fit."""

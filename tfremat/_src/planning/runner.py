@@ -120,7 +120,8 @@ class Runner:
     # bytes its call converts), on the executor.
     self._keep = {}
     # (Candidate, the batch's shapes) -> the `predicting.Step` its own
-    # prediction traced, which `peaks` runs instead of tracing it again.
+    # prediction traced, which `peaks` runs instead of tracing it again;
+    # the last batch's shapes only (a Step holds its batch).
     self._traced = {}
     # Under a tf.distribute strategy, a budget is one replica's: the
     # replicas that share the measured memory are divided out, and
@@ -162,7 +163,9 @@ class Runner:
     # check runs as `fit` runs it).
     if tf.distribute.has_strategy():
       return predicting.peak_of(resolved) // self.replicas
-    self._traced[(candidate, _shapes(batch))] = resolved
+    shapes = _shapes(batch)
+    self._traced = {k: v for k, v in self._traced.items() if k[1] == shapes}
+    self._traced[(candidate, shapes)] = resolved
     if (units is None or resolved.jit_compile or candidate.ordered or
         any(s.remat for s in candidate.segments)):
       return predicting.peak_of(resolved) // self.replicas
