@@ -362,29 +362,58 @@ def segment_table(costs):
 
 def fastest(costs, budget, table=None):
   """The fastest plan with predicted peak <= budget, or None. `table`:
-  `segment_table(costs)`, if already computed."""
+  `segment_table(costs)`, if already computed.
+
+  A dynamic program over positions in the chain: the plans reaching each
+  position, pruned to the (retained bytes, seconds) Pareto front, each
+  extended by every segment starting there whose peak fits."""
   n = len(costs)
   after = _grads_after(costs)
   table = segment_table(costs) if table is None else table
-  # fronts[i]: Pareto-optimal (retained, seconds, segments) at position i.
-  fronts = [[] for _ in range(n + 1)]
-  fronts[0] = [(0, 0.0, ())]
-  for start in range(n):
-    front = sorted(fronts[start], key=lambda s: (s[0], s[1]))
-    pruned, best = [], math.inf
-    for state in front:  # Keep states that are faster than any with less R.
-      if state[1] < best:
-        pruned.append(state)
-        best = state[1]
-    for retained, seconds, segs in pruned:
-      for seg, (seg_peak, seg_retained, seg_seconds) in table[start]:
-        if retained + after[seg.stop - 1] + seg_peak > budget:
-          continue
-        fronts[seg.stop].append((retained + seg_retained,
-                                 seconds + seg_seconds, segs + (seg,)))
-  finals = [(seconds, segs) for retained, seconds, segs in fronts[n]
-            if retained + costs[-1].output_bytes <= budget]
-  return min(finals, key=lambda f: f[0])[1] if finals else None
+  # reached[i]: chunks of plans reaching position i, each (retained,
+  # seconds, where each came from: (position, index in its front, segment)).
+  reached = [[] for _ in range(n + 1)]
+  reached[0] = [(np.zeros(1), np.zeros(1), np.full((1, 3), -1))]
+  fronts = [None] * (n + 1)
+  for start in range(n + 1):
+    if not reached[start]:
+      continue
+    retained, seconds, came = (np.concatenate(parts) for parts in
+                               zip(*reached[start]))
+    # Plans faster than every plan retaining as little or less.
+    order = np.lexsort((seconds, retained))
+    before = np.minimum.accumulate(np.concatenate([[np.inf],
+                                                   seconds[order]]))[:-1]
+    order = order[seconds[order] < before]
+    fronts[start] = retained, seconds, came, order
+    if start == n:
+      break
+    segs = table[start]
+    peak, kept, cost, stops = (np.array(v) for v in zip(*(
+        (p, r, s, seg.stop) for seg, (p, r, s) in segs)))
+    r, s = retained[order], seconds[order]
+    ok = (r[:, None] + np.array(after)[stops - 1][None, :]) + peak <= budget
+    rows, cols = np.nonzero(ok)
+    for stop in np.unique(stops[cols]):
+      at = stops[cols] == stop
+      i, j = rows[at], cols[at]
+      reached[stop].append((r[i] + kept[j], s[i] + cost[j], np.stack(
+          [np.full(len(i), start), order[i], j], axis=1)))
+  if fronts[n] is None:
+    return None
+  retained, seconds, came, order = fronts[n]
+  # Every plan reaching the end, in the order it was found.
+  final = [i for i in range(len(retained))
+           if retained[i] + costs[-1].output_bytes <= budget]
+  if not final:
+    return None
+  i = min(final, key=lambda k: seconds[k])
+  plan, at = [], n
+  while at:
+    start, index, j = fronts[at][2][i]
+    plan.append(table[start][j][0])
+    at, i = start, index
+  return tuple(plan[::-1])
 
 
 def fits(costs, budget, table):
