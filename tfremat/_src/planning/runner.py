@@ -116,9 +116,12 @@ class Runner:
 
   def __init__(self):
     self._built = {}  # Candidate -> what runs its step.
-    # The batch's shapes -> (the keep-everything step's KeepProgram, the
-    # bytes its call converts), on the executor.
+    # The batch's shapes -> (the keep-everything step's KeepProgram on the
+    # executor, the bytes its call converts).
     self._keep = {}
+    # Under XLA, the batch's shapes -> XLA's figure over the executor's
+    # read for the last rematerializing candidate compiled (`simulated`).
+    self._scale = {}
     # (Candidate, the batch's shapes) -> the `predicting.Step` its own
     # prediction traced, which `peaks` runs instead of tracing it again;
     # the last batch's shapes only (a Step holds its batch).
@@ -152,8 +155,8 @@ class Runner:
   def predicted(self, candidate, batch):
     """`candidate`'s training step's peak on `batch` (one replica's),
     read from its program (`tfremat.measure.predict_peak`): nothing runs.
-    Keeping everything on the executor, the program is kept for
-    `simulated`."""
+    Keeping everything, its program on the executor is kept for
+    `simulated` (under XLA traced for that alone: nothing compiles it)."""
     batch = self.step_batch(batch)
     step, *args = self.predictable(candidate, batch)
     resolved = predicting.step_of(step, args, {})
@@ -166,31 +169,51 @@ class Runner:
     shapes = _shapes(batch)
     self._traced = {k: v for k, v in self._traced.items() if k[1] == shapes}
     self._traced[(candidate, shapes)] = resolved
-    if (units is None or resolved.jit_compile or candidate.ordered or
-        any(s.remat for s in candidate.segments)):
-      return predicting.peak_of(resolved) // self.replicas
-    keep = predicting_reruns.KeepProgram.of(resolved, units)
-    self._keep[_shapes(batch)] = keep, resolved.converted_bytes
-    return (keep.peak() + resolved.converted_bytes) // self.replicas
+    if units is None or candidate.ordered or any(
+        s.remat for s in candidate.segments):
+      peak = predicting.peak_of(resolved)
+      read = self._read(candidate, shapes)
+      if resolved.jit_compile and read:
+        self._scale[shapes] = peak / read
+      return peak // self.replicas
+    program = resolved if not resolved.jit_compile else (
+        _on_executor(resolved))
+    keep = predicting_reruns.KeepProgram.of(program, units)
+    self._keep[shapes] = keep, resolved.converted_bytes
+    read = keep.peak() + resolved.converted_bytes
+    return (predicting.peak_of(resolved) if resolved.jit_compile else
+            read) // self.replicas
 
   def simulated(self, candidate, batch):
     """`candidate`'s step's peak on `batch` read from the keep-everything
-    step's program (`predicting_reruns`), predicted on this batch's shapes
-    first; None where it cannot be read so (under XLA, a nested or ordered
-    plan, units whose reruns it does not find): `predicted` then traces
-    the candidate's own step."""
-    batch = self.step_batch(batch)
-    found = self._keep.get(_shapes(batch))
+    step's program on the executor (`predicting_reruns`), predicted on
+    this batch's shapes first. Under XLA that read is an estimate, which
+    chooses what to compile (a plan is taken on XLA's own figure): times
+    the ratio of XLA's figure to the read for the last rematerializing
+    candidate compiled, where there is one (keeping everything's differs:
+    0.82 on an LM whose plans' were 1.11-1.28). None
+    where it cannot be read so (a nested or ordered plan, units whose
+    reruns it does not find): `predicted` then reads the candidate's own
+    step."""
+    shapes = _shapes(self.step_batch(batch))
+    read = self._read(candidate, shapes)
+    if read is None:
+      return None
+    return int(read * self._scale.get(shapes, 1.0)) // self.replicas
+
+  def _read(self, candidate, shapes):
+    """`candidate`'s peak read from the keep-everything program on the
+    executor for `shapes`, or None."""
+    found = self._keep.get(shapes)
     if found is None or candidate.ordered or any(
         s.nested for s in candidate.segments):
       return None
     keep, converted = found
     try:
-      peak = keep.peak([(range(s.start, s.stop), _keeps(s.policy))
-                        for s in candidate.segments if s.remat])
+      return keep.peak([(range(s.start, s.stop), _keeps(s.policy))
+                        for s in candidate.segments if s.remat]) + converted
     except predicting_reruns.NotReadable:
       return None
-    return (peak + converted) // self.replicas
 
   def unit_names(self):
     """The names of the gated layers a planned chain runs its units as
@@ -221,6 +244,14 @@ class Runner:
     with measure.restoring(self.state()):
       return [p // self.replicas for p in measure.peaks(
           run, batch, calls=calls)]
+
+
+def _on_executor(step):
+  """A `predicting.Step` compiled by XLA traced afresh for TensorFlow's
+  executor, for its program."""
+  function = tf.function(step.function.python_function, jit_compile=False,
+                         autograph=getattr(step.function, "_autograph", True))
+  return dataclasses.replace(step, function=function, jit_compile=False)
 
 
 def _keeps(policy):
