@@ -232,8 +232,10 @@ def _proposed(found, costs, settings, nestable, last):
   """(segments, ordered) of the fastest plan the cost model proposes that
   `found` predicts to fit (`choose_plan`'s rounds from `last`, the last
   plan predicted, then the lowest plan, then it nested and ordered), or
-  (None, False)."""
-  best, margin = None, found.margin
+  (None, False). A proposal read over the room by less than `_READ_ERROR`
+  is predicted from its own program only where none read within it uses
+  `settings.use_at_least` of the room: each such prediction is a trace."""
+  best, margin, near = None, found.margin, []
   for _ in range(settings.rounds):
     target = found.room / (1 + margin) - found.overhead(last)
     segments = cost_model.fastest(costs, target)
@@ -241,12 +243,18 @@ def _proposed(found, costs, settings, nestable, last):
       break
     last = tuple(segments)
     found.add(last, "model", "the cost model's fastest within the room")
-    if found.fits_read(last) and (best is None or
-                                  found.seconds(last) < found.seconds(best)):
+    if not found.fits(last):
+      near.append(last)
+    elif best is None or found.seconds(last) < found.seconds(best):
       best = last
     if best is not None and found.peaks[best] * (1 + margin) >= (
         settings.use_at_least * found.room):
       return best, False
+  for segments in sorted(near, key=found.seconds):
+    if best is not None and found.seconds(segments) >= found.seconds(best):
+      break
+    if found.fits_read(segments):
+      return segments, False
   if best is not None:
     return best, False
   lowest = tuple(proposals.lowest_plan(costs).segments)
