@@ -155,10 +155,11 @@ def plan_budget(chain, runner, batch, budget, *, policies=(), costs=None,
 
 def _variant_peaks(plan, runner, batch):
   """`plan` with each variant's step predicted at the sample
-  (`Plan.variant_peaks`), reusing the choice's predictions: what a step
-  holds beyond the cost model differs between variants (under XLA, for an
-  LM, 0.56 of the cost model's peak keeping everything, 0.96 recomputing
-  every block)."""
+  (`Plan.variant_peaks`), reusing the choice's predictions, else read from
+  keeping everything's program (under XLA an estimate, `Runner.simulated`):
+  what a step holds beyond the cost model differs between variants (under
+  XLA, for an LM, 0.56 of the cost model's peak keeping everything, 0.96
+  recomputing every block)."""
   if len(plan.variants) < 2:
     return plan
   found = {t.candidate.segments: t.predicted_bytes
