@@ -11,7 +11,6 @@ bounds and the budget search.
 """
 
 import dataclasses
-import math
 import re
 
 import numpy as np

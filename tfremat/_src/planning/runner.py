@@ -172,8 +172,8 @@ class Runner:
     if units is None or candidate.ordered or any(
         s.remat for s in candidate.segments):
       peak = predicting.peak_of(resolved)
-      read = self._read(candidate, shapes)
-      if resolved.jit_compile and read:
+      read = self._read(candidate, shapes) if resolved.jit_compile else None
+      if read:
         self._scale[shapes] = peak / read
       return peak // self.replicas
     program = resolved if not resolved.jit_compile else (
@@ -191,10 +191,9 @@ class Runner:
     chooses what to compile (a plan is taken on XLA's own figure): times
     the ratio of XLA's figure to the read for the last rematerializing
     candidate compiled, where there is one (keeping everything's differs:
-    0.82 on an LM whose plans' were 1.11-1.28). None
-    where it cannot be read so (a nested or ordered plan, units whose
-    reruns it does not find): `predicted` then reads the candidate's own
-    step."""
+    0.82 on an LM whose plans' were 1.11-1.28). None where it cannot be
+    read so (a nested or ordered plan, units whose reruns it does not
+    find): `predicted` then reads the candidate's own step."""
     shapes = _shapes(self.step_batch(batch))
     read = self._read(candidate, shapes)
     if read is None:
