@@ -156,18 +156,21 @@ def plan_budget(chain, runner, batch, budget, *, policies=(), costs=None,
 def _variant_peaks(plan, runner, batch):
   """`plan` with each variant's step predicted at the sample
   (`Plan.variant_peaks`), reusing the choice's predictions, else read from
-  keeping everything's program (under XLA an estimate, `Runner.simulated`):
-  what a step holds beyond the cost model differs between variants (under
-  XLA, for an LM, 0.56 of the cost model's peak keeping everything, 0.96
-  recomputing every block)."""
+  keeping everything's program; under XLA, where that read is an estimate
+  (`Runner.simulated`), each compiled: what a step holds beyond the cost
+  model differs between variants (under XLA, for an LM, 0.56 of the cost
+  model's peak keeping everything, 0.96 recomputing every block), and a
+  variant's estimate, carried to other shapes, let steps run 32% over a
+  budget."""
   if len(plan.variants) < 2:
     return plan
   found = {t.candidate.segments: t.predicted_bytes
            for t in (plan.search.trials if plan.search else ())
-           if t.predicted_bytes is not None and not t.candidate.ordered}
+           if t.predicted_bytes is not None and not t.candidate.ordered and
+           not runner.jit}
   def predicted(variant):
     candidate = search.Candidate(variant, plan.ordered)
-    read = runner.simulated(candidate, batch)
+    read = None if runner.jit else runner.simulated(candidate, batch)
     return runner.predicted(candidate, batch) if read is None else read
   peaks = tuple(found[v] if v in found else predicted(v)
                 for v in plan.variants)

@@ -120,11 +120,12 @@ class Runner:
     # executor, the bytes its call converts).
     self._keep = {}
     # Under XLA, the batch's shapes -> XLA's figure over the executor's
-    # read for the last rematerializing candidate compiled (`simulated`).
+    # read for the last candidate compiled (`simulated`).
     self._scale = {}
-    # (Candidate, the batch's shapes) -> the `predicting.Step` its own
-    # prediction traced, which `peaks` runs instead of tracing it again;
-    # the last batch's shapes only (a Step holds its batch).
+    # (Candidate, the batch's shapes) -> (the `predicting.Step` its own
+    # prediction traced, which `peaks` runs instead of tracing it again,
+    # and that prediction); the last batch's shapes only (a Step holds its
+    # batch).
     self._traced = {}
     # Under a tf.distribute strategy, a budget is one replica's: the
     # replicas that share the measured memory are divided out, and
@@ -168,10 +169,12 @@ class Runner:
       return predicting.peak_of(resolved) // self.replicas
     shapes = _shapes(batch)
     self._traced = {k: v for k, v in self._traced.items() if k[1] == shapes}
-    self._traced[(candidate, shapes)] = resolved
+    if (candidate, shapes) in self._traced:
+      return self._traced[(candidate, shapes)][1] // self.replicas
     if units is None or candidate.ordered or any(
         s.remat for s in candidate.segments):
       peak = predicting.peak_of(resolved)
+      self._traced[(candidate, shapes)] = resolved, peak
       read = self._read(candidate, shapes) if resolved.jit_compile else None
       if read:
         self._scale[shapes] = peak / read
@@ -180,20 +183,24 @@ class Runner:
         _on_executor(resolved))
     keep = predicting_reruns.KeepProgram.of(program, units)
     self._keep[shapes] = keep, resolved.converted_bytes
-    read = keep.peak() + resolved.converted_bytes
-    return (predicting.peak_of(resolved) if resolved.jit_compile else
-            read) // self.replicas
+    peak = read = keep.peak() + resolved.converted_bytes
+    if resolved.jit_compile:
+      peak = predicting.peak_of(resolved)
+      self._scale[shapes] = peak / max(1, read)
+    self._traced[(candidate, shapes)] = resolved, peak
+    return peak // self.replicas
 
   def simulated(self, candidate, batch):
     """`candidate`'s step's peak on `batch` read from the keep-everything
     step's program on the executor (`predicting_reruns`), predicted on
     this batch's shapes first. Under XLA that read is an estimate, which
     chooses what to compile (a plan is taken on XLA's own figure): times
-    the ratio of XLA's figure to the read for the last rematerializing
-    candidate compiled, where there is one (keeping everything's differs:
-    0.82 on an LM whose plans' were 1.11-1.28). None where it cannot be
-    read so (a nested or ordered plan, units whose reruns it does not
-    find): `predicted` then reads the candidate's own step."""
+    the ratio of XLA's figure to the read for the last candidate compiled
+    (keeping everything's first: 0.82 on an LM whose plans' were
+    1.11-1.28; on a small LM, read unscaled, its first plan was passed
+    over at 147% of the room and the plan chosen used 75%). None where it
+    cannot be read so (a nested or ordered plan, units whose reruns it
+    does not find): `predicted` then reads the candidate's own step."""
     shapes = _shapes(self.step_batch(batch))
     read = self._read(candidate, shapes)
     if read is None:
@@ -239,7 +246,7 @@ class Runner:
     batch = self.step_batch(batch)
     traced = self._traced.get((candidate, _shapes(batch)))
     run = (self._run(candidate) if traced is None else
-           lambda unused_batch: traced.call())
+           lambda unused_batch: traced[0].call())
     with measure.restoring(self.state()):
       return [p // self.replicas for p in measure.peaks(
           run, batch, calls=calls)]
