@@ -159,6 +159,10 @@ class Runner:
     Keeping everything, its program on the executor is kept for
     `simulated` (under XLA traced for that alone: nothing compiles it)."""
     batch = self.step_batch(batch)
+    shapes = _shapes(batch)
+    self._traced = {k: v for k, v in self._traced.items() if k[1] == shapes}
+    if (candidate, shapes) in self._traced:  # Predicted already.
+      return self._traced[(candidate, shapes)][1] // self.replicas
     step, *args = self.predictable(candidate, batch)
     resolved = predicting.step_of(step, args, {})
     units = self.unit_names()
@@ -167,10 +171,6 @@ class Runner:
     # check runs as `fit` runs it).
     if tf.distribute.has_strategy():
       return predicting.peak_of(resolved) // self.replicas
-    shapes = _shapes(batch)
-    self._traced = {k: v for k, v in self._traced.items() if k[1] == shapes}
-    if (candidate, shapes) in self._traced:
-      return self._traced[(candidate, shapes)][1] // self.replicas
     if units is None or candidate.ordered or any(
         s.remat for s in candidate.segments):
       peak = predicting.peak_of(resolved)
