@@ -21,7 +21,7 @@ import tensorflow as tf
 from tfremat import errors
 
 __all__ = ["predict_peak", "peak_of", "Step", "step_of", "executor_lanes",
-           "traced_work"]
+           "read_program"]
 
 
 def executor_lanes():
@@ -286,12 +286,14 @@ def _executor_schedule(step):
   return schedule
 
 
-def traced_work(function, *args):
-  """The bytes the ops of `function`'s program read and write at `args`
-  (a `tf.function`; tensors or specs), traced and not run: the simulated
-  executor's measure of an op's time (`predict_peak`), summed. The planner
-  ranks plans by it."""
-  return _executor_schedule(step_of(function, args, {})).work
+def read_program(function, *args):
+  """(peak, work) of `function`'s program at `args` (a `tf.function`;
+  tensors or specs), traced once and not run: `predict_peak`'s figure on
+  the executor, and the bytes its ops read and write, summed (the simulated
+  executor's measure of an op's time; the planner ranks plans by it)."""
+  step = step_of(function, args, {})
+  schedule = _executor_schedule(step)
+  return int(schedule.top + step.converted_bytes), schedule.work
 
 
 # Ops whose outputs are no new buffer of the step's: an input, a constant, a

@@ -23,7 +23,6 @@ import tensorflow as tf
 __all__ = [
     "Rows",
     "maximum",
-    "slope",
     "axes_of",
     "ratios",
     "perturbed_sizes",
@@ -159,15 +158,6 @@ def _monomial(exponents, ratios):
   ratios = np.concatenate([ratios[:len(exponents)],
                            np.ones(max(0, len(exponents) - len(ratios)))])
   return float(np.prod(ratios ** np.asarray(exponents)))
-
-
-def slope(x0, y0, xs, ys):
-  """The slope of the line through (x0, y0) nearest, in least squares, to
-  the points (xs, ys); 0 with no other point."""
-  dx = [x - x0 for x in xs]
-  spread = sum(d * d for d in dx)
-  return (sum(d * (y - y0) for d, y in zip(dx, ys)) / spread if spread
-          else 0.0)
 
 
 def maximum(a, b):

@@ -147,8 +147,8 @@ def measure_layer(layer, x, repeats=5, policies=(), context=None,
   `context`: the chain's context tensors, for a layer that reads them.
   `clock`: what times its steps (`tfremat.measure.median_seconds`'s
   arguments and result). `perturbed`: `Perturbed` inputs (one axis of `x`
-  resized), where the layer's step is traced and its peaks measured again
-  for how its costs grow (`LayerCost.growth`, `_growth`).
+  resized), where the layer's step is traced again for how its costs grow
+  (`LayerCost.growth`, `_growth`).
 
   Times are medians of `repeats` calls of traced functions. Bytes come from
   the allocator's statistics around traced calls (`measure.peak_bytes`).
@@ -225,7 +225,7 @@ def measure_layer(layer, x, repeats=5, policies=(), context=None,
       policy_keeps=keeps)
   if perturbed:
     cost = dataclasses.replace(cost, growth=_growth(
-        layer, cost, traced, (fwd_peak, peak_once), perturbed, peak_of))
+        layer, cost, traced, (fwd_peak, peak_once), perturbed))
   return cost, y
 
 
@@ -247,26 +247,22 @@ class Perturbed:
                  for i in range(self.axis + 1))
 
 
-def _growth(layer, cost, traced, peaks, perturbed, peak_of):
+def _growth(layer, cost, traced, peaks, perturbed):
   """`LayerCost.growth` of `layer` from its step `traced` at the sample and
-  at each `Perturbed` input: each tensor's bytes as a monomial of the axes'
-  ratios (`growth.tensor_terms`); the input, output and saved tensors
-  exactly; the forward and the whole step's measured peaks (`peaks`, at the
-  sample) fitted to the step's live bytes over its ops
-  (`growth.step_growth`) through their measurements at every input, as
-  `a * live + c`, which the transients then are less what the cost model
-  counts besides them."""
-  points, graphs = [], []
+  traced again at each `Perturbed` input: each tensor's bytes as a monomial
+  of the axes' ratios (`growth.tensor_terms`); the input, output and saved
+  tensors exactly; the forward and the whole step's peaks at the sample
+  (`peaks`) growing as the step's live bytes over its ops
+  (`growth.step_growth`), scaled to equal them there. The transients are
+  those less what the cost model counts besides them."""
+  graphs = []
   for p in perturbed:
     found = {}
-    step = training_step(layer, traced=found, context=p.context)
-    forward = measure.replicated(
-        lambda h, c=p.context: call_link(layer, h, c, True))
-    points.append((p, peak_of(forward, p.x), peak_of(step, p.x)))
+    training_step(layer, traced=found, context=p.context
+                  ).get_concrete_function(p.x)
     graphs.append((p.axis, p.ratio, found["graph"]))
   terms = growth.tensor_terms(traced["graph"], graphs)
   live = growth.step_growth(traced, terms)
-  ratios = [p.ratios for p in perturbed]
 
   def term(tensor, value):
     return growth.Rows.monomial(terms.get(tensor.name, (0, ()))[1], value)
@@ -275,9 +271,8 @@ def _growth(layer, cost, traced, peaks, perturbed, peak_of):
   inp, out = term(x_end, cost.input_bytes), term(y_end, cost.output_bytes)
   saved = live["saved"].normalized() * cost.saved_bytes
   whole = growth.maximum(live["forward"], live["backward"])
-  forward = _fitted(live["forward"], peaks[0], ratios,
-                    [f for _, f, _ in points])
-  step = _fitted(whole, peaks[1], ratios, [s for _, _, s in points])
+  forward = live["forward"].normalized() * peaks[0]
+  step = whole.normalized() * peaks[1]
   return {
       "input_bytes": inp,
       "output_bytes": out,
@@ -288,20 +283,6 @@ def _growth(layer, cost, traced, peaks, perturbed, peak_of):
       "saved_share": live["saved"].normalized(),
       "work": live["work"].normalized(),
   }
-
-
-def _fitted(rows, measured, ratios, others):
-  """`a * rows + c` through `measured` at the sample and, least squares,
-  through `others` at `ratios`: a measured peak grows as the step's live
-  bytes, with what the graph does not show (kernels' scratch, rewrites) in
-  `a` and `c`."""
-  base = rows.at(())
-  live = [rows.at(r) for r in ratios]
-  if any(v != base for v in live):
-    a = max(0.0, growth.slope(base, measured, live, others))
-  else:
-    a = measured / base if base > 0 else 0.0
-  return rows * a + (measured - a * base)
 
 
 def _saved(layer, traced, once, run, x, y, context):
@@ -411,24 +392,32 @@ def structure_key(layer, x, policies=()):
 WAITING_PROBE_LAYERS = 4
 
 
-# The rate at which `read_seconds` turns the bytes a program's ops read
-# and write into seconds: it ranks plans by their work, and only ratios of
-# its figures matter to the planner.
+# The rate at which `_Reader` turns the bytes a program's ops read and
+# write into seconds: it ranks plans by their work, and only ratios of its
+# figures matter to the planner.
 WORK_BYTES_PER_SECOND = 5e9
 
 
-def read_peak(fn, x):
-  """`fn`'s peak on `x`, read from its program (`predict_peak`)."""
-  return predicting.predict_peak(fn, x)
+class _Reader:
+  """One layer's peaks and seconds read from its traced programs
+  (`predicting.read_program`), each function traced once at an input for
+  both: `measure_layer`'s `peak_of` and `clock`. Nothing runs."""
 
+  def __init__(self):
+    self._read = {}
 
-def read_seconds(fns, x, repeats=None, **unused):
-  """Each of `fns`' estimated seconds on `x`, read from its program: the
-  bytes its ops read and write (`predicting.traced_work`) over
-  `WORK_BYTES_PER_SECOND`. Nothing runs."""
-  del repeats, unused
-  return [predicting.traced_work(fn, x) / WORK_BYTES_PER_SECOND
-          for fn in fns]
+  def _of(self, fn, x):
+    key = (id(fn), id(x))
+    if key not in self._read:  # fn and x are kept: the ids stay theirs.
+      self._read[key] = (fn, x, predicting.read_program(fn, x))
+    return self._read[key][2]
+
+  def peak(self, fn, x):
+    return self._of(fn, x)[0]
+
+  def seconds(self, fns, x, repeats=None):
+    del repeats
+    return [self._of(fn, x)[1] / WORK_BYTES_PER_SECOND for fn in fns]
 
 
 def measure_chain(layers, sample_input, repeats=5, progress=None,
@@ -462,11 +451,10 @@ def measure_chain(layers, sample_input, repeats=5, progress=None,
   read them (a model's units that read a padding mask). `perturbed`: the
   chain's `Perturbed` inputs, each walked through the chain beside the
   sample for how each layer's costs grow (`measure_layer`). `read`: every
-  peak and time is read from the layers' traced programs (`read_peak`,
-  `read_seconds`) and no training step runs; only each layer's forward pass
-  runs once, for the next one's input.
+  peak and time is read from the layers' traced programs (`_Reader`) and
+  no training step runs; only each layer's forward pass runs once, for the
+  next one's input.
   """
-  reading = dict(peak_of=read_peak, clock=read_seconds) if read else {}
   advance = progress.add if progress is not None else lambda _: None
   costs, x, measured = [], tf.convert_to_tensor(sample_input), {}
   perturbed = list(perturbed)
@@ -477,8 +465,10 @@ def measure_chain(layers, sample_input, repeats=5, progress=None,
       # The next layer's input, as an input.
       x = call_link(layer, x, context, False)
     else:
-      cost, x = measure_layer(layer, x, repeats, policies, context,
-                              perturbed=perturbed, **reading)
+      reader = _Reader()
+      cost, x = measure_layer(
+          layer, x, repeats, policies, context, perturbed=perturbed,
+          **(dict(peak_of=reader.peak, clock=reader.seconds) if read else {}))
       if key is not None:
         measured[key] = cost
     perturbed = [dataclasses.replace(p, x=call_link(layer, p.x, p.context,
