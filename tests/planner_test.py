@@ -8,6 +8,7 @@ import pytest
 from tfremat import errors
 from tfremat import policies
 from tfremat import planner
+from tfremat._src.planning import budget as budget_lib
 from tfremat._src.planning import choose
 from tfremat._src.planning import cost_model
 from tfremat._src.planning import proposals
@@ -375,6 +376,43 @@ def test_the_plan_chosen_is_held_to_the_budget_by_its_predicted_step():
                      match="lowest predicted peak"):
     choose.choose_plan(costs, int(lowest * 0.99), StandInRunner(stand_in),
                        None, settings)
+
+
+class _OverRunner(StandInRunner):
+  """Predicts `measure(candidate)`; each call of a check peaks 15-25% over
+  that."""
+
+  def predicted(self, candidate, batch):
+    del batch
+    return self.measure(candidate)
+
+  def peaks(self, candidate, batch, calls, every_program=False):
+    del batch, every_program
+    peak = self.measure(candidate)
+    return [int(peak * f) for f in (1.25, 1.15, 1.2)][:calls]
+
+
+def test_a_check_over_the_room_raises_the_margin_to_what_every_call_held():
+  # The one quantity for what a prediction cannot see is the margin: a
+  # check over the room raises it to the smallest call's excess, and a
+  # lower variant, held to the budget with it, runs at the sample.
+  costs = random_costs(np.random.default_rng(6), 8)
+  stand_in = lambda c: int(planner.predict(costs, list(c.segments))[0])
+  runner = _OverRunner(stand_in)
+  chosen = choose.choose_plan(costs, 0.7, runner, None, _SHIPPED)
+  plan = budget_lib.with_variants(chosen.replace(shape=(4, 8)), _SHIPPED)
+  plan = budget_lib._variant_peaks(plan, runner, None)  # pylint: disable=protected-access
+  assert len(plan.variants) > 1
+  checked = budget_lib.checked(plan, runner, None, _SHIPPED)
+  predicted = stand_in(search.Candidate(plan.segments))
+  assert checked.measured.peak_bytes == int(predicted * 1.25)
+  assert checked.margin == pytest.approx(int(predicted * 1.15) / predicted - 1)
+  assert checked.variant_peaks == plan.variant_peaks
+  assert checked.overhead_bytes == plan.overhead_bytes
+  runs = checked.segments_at(checked.shape)
+  assert runs != plan.segments
+  assert checked.predicted_bound_at(checked.shape, runs) <= (
+      checked.step_budget_bytes)
 
 
 def test_each_variant_is_predicted_from_its_own_step_at_other_shapes():

@@ -182,22 +182,21 @@ def checked(plan, runner, batch, settings):
   (`Plan.measured`: the largest peak), the prediction's check: in the step
   traced for the sample's shapes, as `fit`'s first step, which the chosen
   plan's prediction traced, so that the check adds no trace (under XLA it
-  is compiled again as it runs). Where the largest peak is over what the budget leaves the
-  step, what every call held beyond the prediction (the smallest peak's
-  excess) is added to the variants' predictions (so that a lower one runs
-  at the sample), raising where none is then predicted to fit."""
+  is compiled again as it runs). Where the largest peak is over what the
+  budget leaves the step and every call held more than the prediction,
+  the margin (`Plan.margin`) becomes what the smallest peak held beyond
+  it, as a fraction of it: every variant's prediction is held to the
+  budget with that, so a lower one runs at the sample, raising where none
+  is then predicted to fit."""
   peaks = runner.peaks(search.Candidate(plan.segments, plan.ordered),
                        batch, settings.check_calls)
   plan = plan.replace(measured=Measured.largest(peaks))
   room, predicted = plan.step_budget_bytes, plan.predicted_peak_at(plan.shape)
-  # What every call held beyond the prediction: one call's peak moves with
-  # thread timing (on a loaded machine a CNN's by 2 MiB on 10, which,
-  # added to every variant, refused a budget its lowest plan met by 16%).
+  # The smallest peak, not the largest: one call's peak moves with thread
+  # timing (on a loaded machine a CNN's by 2 MiB on 10, which, held to
+  # every variant, refused a budget its lowest plan met by 16%).
   if room is not None and max(peaks) > room and min(peaks) > predicted:
-    over = min(peaks) - predicted
-    plan = plan.replace(
-        overhead_bytes=plan.overhead_bytes + over,
-        variant_peaks=tuple(p + over for p in plan.variant_peaks))
+    plan = plan.replace(margin=max(plan.margin, min(peaks) / predicted - 1))
   plan.segments_at(plan.shape)  # Raises where none fits at the sample.
   return plan
 

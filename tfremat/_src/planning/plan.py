@@ -156,7 +156,9 @@ class Plan:
       there (`segments_at`). Empty: this plan's segments at every shape.
     margin: what a predicted peak is held to the budget with, as a
       fraction of it (`Settings.reserve` on TensorFlow's executor, whose
-      threads order ops differently from call to call; 0 under XLA).
+      threads order ops differently from call to call; 0 under XLA), or
+      what every call of the check held beyond the prediction, where that
+      is more and the check was over the budget (`budget.checked`).
     predicted_keep: keeping everything's predicted peak at the sample, or
       None.
     variant_peaks: each variant's step's predicted peak at the sample, in
