@@ -504,6 +504,8 @@ class _Schedule:
     self.top = 0
     self.work = 0  # The bytes every op read and wrote, summed.
     deps = program.dependencies()
+    self._allocating = [any(n for _, n, _ in node.outputs) or
+                        node.transient > 0 for node in program.nodes]
     self._waiting = [len(d) for d in deps]
     self._users = [[] for _ in deps]
     for i, d in enumerate(deps):
@@ -542,7 +544,7 @@ class _Schedule:
     left = collections.deque()
     while ready:
       i = ready.popleft()
-      if self._allocates(self.program.nodes[i]):
+      if self._allocating[i]:
         left.append(i)
         continue
       self._allocate(self.program.nodes[i])
@@ -562,9 +564,6 @@ class _Schedule:
   def _cost(self, node):
     return sum(n for _, n, _ in node.outputs) + sum(
         self.size.get(self.buffer_of.get(k), 0) for k in node.inputs)
-
-  def _allocates(self, node):
-    return any(n for _, n, _ in node.outputs) or node.transient > 0
 
   def _allocate(self, node):
     lent, into = None, _FORWARDED_OUTPUT.get(node.type, 0)

@@ -86,9 +86,8 @@ class KeepProgram:
     return schedule.peak()
 
   def _rewritten(self, segments):
-    base = self.program.nodes
-    nodes = [predicting._Node(n.type, list(n.inputs), list(n.outputs),  # pylint: disable=protected-access
-                              list(n.after), n.transient) for n in base]
+    # A rerun replaces nodes and appends its own; it changes none.
+    nodes = list(self.program.nodes)
     names = list(self.program.names)
     producer = dict(self.producer)
     # Where each node is built: a rerun's copies just before the first
@@ -126,12 +125,10 @@ class _Rerun:
     # nothing of its forward pass's own (a Dense head reads its input and
     # weights).
     self.scopes = [scope for _, scope in found if scope is not None]
-    own = keep.program.names
-    self.reruns = {i for i, n in enumerate(own)
-                   if any(n.startswith(s) for s in self.scopes)}
-    self.grads = {i for i, n in enumerate(own)
-                  if any(n.startswith("gradient_tape/" + s)
-                         for s in self.scopes)}
+    own, scopes = keep.program.names, tuple(self.scopes)
+    self.reruns = {i for i, n in enumerate(own) if n.startswith(scopes)}
+    scopes = tuple("gradient_tape/" + s for s in scopes)
+    self.grads = {i for i, n in enumerate(own) if n.startswith(scopes)}
     self.made = {}
 
   def apply(self):
