@@ -248,15 +248,26 @@ def with_variants(plan, settings):
 
 
 def _built_variables(chain, batch):
-  """Every variable of the chain's units, each unit built first by an
-  inference call (which changes no state), so that profiling, which runs
-  training steps (moving BatchNormalization statistics and dropout seeds),
-  can put them back."""
-  x, context = chain.input_of(batch), chain.context_of(batch)
-  for unit in chain.units:
-    x = call_link(unit, x, context, False)
-  del x  # Held through the measurements, it would shift their peaks.
+  """Every variable of the chain's units, the units built first where one
+  is not (by an inference call, which changes no state), so that planning,
+  which runs training steps (moving BatchNormalization statistics and
+  dropout seeds), can put them back."""
+  if not all(_built(unit) for unit in chain.units):
+    x, context = chain.input_of(batch), chain.context_of(batch)
+    for unit in chain.units:
+      x = call_link(unit, x, context, False)
+    del x  # Held through the measurements, it would shift their peaks.
   return [v for unit in chain.units for v in unit.variables]
+
+
+def _built(unit):
+  """Whether `unit`'s variables all exist: it is built, or it is a group
+  of built layers (`model_chain`'s, never called itself)."""
+  unit = getattr(unit, "unit", unit)  # A ContextUnit's.
+  if getattr(unit, "built", False):
+    return True
+  return isinstance(unit, keras.Sequential) and bool(unit.layers) and all(
+      _built(layer) for layer in unit.layers)
 
 
 def planning_arguments(caller, budget, sample_input, policies, policy=None):
