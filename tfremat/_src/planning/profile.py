@@ -179,7 +179,7 @@ def measure_layer(layer, x, repeats=5, policies=(), context=None,
     return call_link(layer, h, context, True)
 
   forward = measure.replicated(run)
-  y = forward(x)
+  y = run(x)  # Eager: traced, it would be traced again to be read.
   out, inp = _nbytes(y), _nbytes(x)
   grads = _nbytes(layer.trainable_weights)
   traced = {}
@@ -452,28 +452,37 @@ def measure_chain(layers, sample_input, repeats=5, progress=None,
   chain's `Perturbed` inputs, each walked through the chain beside the
   sample for how each layer's costs grow (`measure_layer`). `read`: every
   peak and time is read from the layers' traced programs (`_Reader`) and
-  no training step runs; only each layer's forward pass runs once, for the
-  next one's input.
+  no training step runs; only a forward pass of each structurally distinct
+  layer runs (eagerly, at each input), for the next one's input: a
+  repeated layer's inputs are the first one's outputs, of the same
+  shapes.
   """
   advance = progress.add if progress is not None else lambda _: None
   costs, x, measured = [], tf.convert_to_tensor(sample_input), {}
   perturbed = list(perturbed)
+  outputs = {}  # Reading, a key's first layer's outputs, as the next inputs.
   for layer in layers:
-    key = structure_key(layer, x, policies)
+    key, y = structure_key(layer, x, policies), None
     if key is not None and key in measured:
       cost = dataclasses.replace(measured[key], name=layer.name)
-      # The next layer's input, as an input.
-      x = call_link(layer, x, context, False)
     else:
       reader = _Reader()
-      cost, x = measure_layer(
+      cost, y = measure_layer(
           layer, x, repeats, policies, context, perturbed=perturbed,
           **(dict(peak_of=reader.peak, clock=reader.seconds) if read else {}))
       if key is not None:
         measured[key] = cost
-    perturbed = [dataclasses.replace(p, x=call_link(layer, p.x, p.context,
-                                                    False))
-                 for p in perturbed]
+    if read and key in outputs:
+      # Its inputs' shapes are the first one's: read from programs, its
+      # outputs' values count for nothing.
+      x, cuts = outputs[key]
+    else:
+      # The next layer's input, as an input.
+      x = call_link(layer, x, context, False) if y is None else y
+      cuts = [call_link(layer, p.x, p.context, False) for p in perturbed]
+      if key is not None:
+        outputs[key] = x, cuts
+    perturbed = [dataclasses.replace(p, x=c) for p, c in zip(perturbed, cuts)]
     costs.append(cost)
     advance(1)
   ratio = waiting_fraction
