@@ -138,6 +138,7 @@ def test_help_and_bad_flags():
       "not_a_number": ["--budget-fraction=half"],
       "whole_unknown": ["--whole_models=ResNet50,Bogus"],
       "whole_jit": ["--whole_models=ResNet50", "--jit"],
+      "plan_cost_rounds": ["--plan_cost", "--rounds", "0"],
   }
   procs = {k: subprocess.Popen([sys.executable, "-m", "tfremat.bench", *args],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -168,6 +169,25 @@ def test_help_and_bad_flags():
   code, _, stderr = done["whole_jit"]
   assert code != 0 and "leave out --sweep, --eager, --jit" in stderr, stderr
   assert "--whole_models" in done["help"][1]
+  code, _, stderr = done["plan_cost_rounds"]
+  assert code != 0 and "--rounds takes a positive" in stderr, stderr
+
+
+def test_plan_cost_times_planning_and_steps_each_in_a_new_process():
+  from tfremat.bench import plan_cost  # pylint: disable=g-import-not-at-top
+  logged = []
+  costs = plan_cost.plan_costs(blocks=2, batch=16, length=64, rounds=1,
+                               jit=(False,), largest=False, log=logged.append)
+  assert [c.jit for c in costs] == [False]
+  assert sorted(costs[0].seconds) == ["plan", "steps"]
+  assert all(costs[0].median(j) > 0 for j in ("plan", "steps"))
+  assert len(logged) == 2
+  table = plan_cost.format_table(costs, 1).splitlines()
+  assert table[0].split()[:3] == ["step", "planning", "s"]
+  row = table[2].split()
+  assert row[0] == "tf.function" and row[-1] == "-"
+  assert row[3] == f"{costs[0].median('plan') / costs[0].median('steps'):.2f}x"
+  assert "medians of 1 rounds" in table[-1]
 
 
 def test_whole_model_table_gives_ratios_to_each_models_original():

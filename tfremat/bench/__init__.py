@@ -11,6 +11,7 @@
   python -m tfremat.bench --whole_models all   # remat_model on real models
   python -m tfremat.bench --max_batch 512MiB   # the largest batch that fits
   python -m tfremat.bench --shapes 96MiB       # a plan at other shapes
+  python -m tfremat.bench --plan_cost          # what planning costs
 
 The tables go to standard output; TensorFlow's start-up lines (CPU
 features, CUDA drivers looked for) go to standard error, and
@@ -20,7 +21,8 @@ The package is split by job: `cli` (flags and modes), `methods` (the
 methods compared block by block), `schemes` (uniform schemes and the
 planner on a chain), `whole` (`remat_model` on real models), `max_batch`
 (the largest batch per method), `shapes` (a plan predicted and measured at
-other shapes), `tables` and `plot`.
+other shapes), `predict` (`predict_peak` beside `peak_bytes`), `plan_cost`
+(seconds to plan, beside 10 training steps), `tables` and `plot`.
 
 Every method runs in one process on the same model, weights, batch and
 dropout seeds:

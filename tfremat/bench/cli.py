@@ -1,6 +1,6 @@
 """The bench's command line: its flags, and one mode per run, each handing
 the flags' values to the functions that measure (`methods`, `schemes`,
-`whole`, `max_batch`, `shapes`, `predict`) and printing their tables as
+`whole`, `max_batch`, `shapes`, `predict`, `plan_cost`) and printing their tables as
 soon as they are measured. `python -m tfremat.bench` runs `main`."""
 
 from absl import app
@@ -14,6 +14,7 @@ from tfremat import planner
 from tfremat import policies
 from tfremat.bench import max_batch
 from tfremat.bench import methods as methods_lib
+from tfremat.bench import plan_cost
 from tfremat.bench import plot
 from tfremat.bench import predict
 from tfremat.bench import schemes
@@ -88,6 +89,11 @@ def define_flags():
                     "the peaks measured there.")
   flags.DEFINE_bool("predict", False, "The four families' steps: "
                     "measure.predict_peak beside peak_bytes.")
+  flags.DEFINE_bool("plan_cost", False, "Seconds to plan the 8-block "
+                    "transformer LM at 50% and find its largest batch in "
+                    "256MiB, beside tracing and running 10 of its steps, "
+                    "each in a new process, with and without XLA.")
+  flags.DEFINE_integer("rounds", 2, "--plan_cost: rounds of new processes.")
   flags.DEFINE_string("csv", "sweep.csv", "Where --sweep writes its CSV.")
   flags.DEFINE_string("plot", "sweep.png",
                       "Where --sweep draws its plot (needs matplotlib: "
@@ -266,6 +272,16 @@ def _run_predict():
   print(predict.format_table(rows))
 
 
+def _run_plan_cost():
+  """--plan_cost: what planning costs, beside 10 training steps."""
+  if FLAGS.rounds < 1:
+    raise app.UsageError("--rounds takes a positive number of rounds.")
+  print(tables.environment())
+  costs = plan_cost.plan_costs(rounds=FLAGS.rounds,
+                               log=lambda line: print(line, flush=True))
+  print(plan_cost.format_table(costs, FLAGS.rounds))
+
+
 def _run_methods():
   """The default: every method block by block, on one model."""
   methods = [m for m in methods_lib.METHODS if m in FLAGS.methods]
@@ -310,8 +326,8 @@ def parse_flags(argv):
 
 def main(argv):
   """Runs the one mode the flags name: --max_batch, --shapes,
-  --shape_families, --predict, --whole_models, --sweep or --budget-fraction, else the
-  methods table."""
+  --shape_families, --predict, --plan_cost, --whole_models, --sweep or
+  --budget-fraction, else the methods table."""
   del argv
   if FLAGS.eager and FLAGS.jit:
     raise app.UsageError("--eager and --jit exclude each other: pick one.")
@@ -323,7 +339,8 @@ def main(argv):
   modes = [name for name, given in (
       ("--max_batch", FLAGS.max_batch), ("--shapes", FLAGS.shapes),
       ("--shape_families", FLAGS.shape_families),
-      ("--predict", FLAGS.predict), ("--whole_models", FLAGS.whole_models)) if given]
+      ("--predict", FLAGS.predict), ("--plan_cost", FLAGS.plan_cost),
+      ("--whole_models", FLAGS.whole_models)) if given]
   if len(modes) > 1:
     raise app.UsageError(f"{' and '.join(modes)} are separate runs: give "
                          "one.")
@@ -335,6 +352,8 @@ def main(argv):
     _run_shape_families()
   elif FLAGS.predict:
     _run_predict()
+  elif FLAGS.plan_cost:
+    _run_plan_cost()
   elif FLAGS.whole_models:
     _run_whole_models()
   elif FLAGS.sweep or FLAGS.budget_fraction is not None:
