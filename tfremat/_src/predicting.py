@@ -277,11 +277,10 @@ def _xla_peak(step):
 
 def _executor_schedule(step):
   """The `_Schedule` of `step`'s traced program, run."""
-  concrete = step.function.get_concrete_function(*step.args, **step.kwargs)
-  graph = concrete.graph
-  program = _Program.of(graph)
-  held = {t.name for t in graph.outputs}
-  schedule = _Schedule(program, held, executor_lanes())
+  graph = step.function.get_concrete_function(*step.args,
+                                              **step.kwargs).graph
+  schedule = _Schedule(_Program.of(graph), {t.name for t in graph.outputs},
+                       executor_lanes())
   schedule.peak()
   return schedule
 

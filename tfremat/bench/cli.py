@@ -89,11 +89,7 @@ def define_flags():
                     "the peaks measured there.")
   flags.DEFINE_bool("predict", False, "The four families' steps: "
                     "measure.predict_peak beside peak_bytes.")
-  flags.DEFINE_bool("plan_cost", False, "Seconds to plan the 8-block "
-                    "transformer LM at 50% and find its largest batch in "
-                    "256MiB, beside tracing and running 10 of its steps, "
-                    "each in a new process, with and without XLA.")
-  flags.DEFINE_integer("rounds", 2, "--plan_cost: rounds of new processes.")
+  plan_cost.define_flags()
   flags.DEFINE_string("csv", "sweep.csv", "Where --sweep writes its CSV.")
   flags.DEFINE_string("plot", "sweep.png",
                       "Where --sweep draws its plot (needs matplotlib: "

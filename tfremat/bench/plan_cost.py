@@ -12,7 +12,21 @@ import statistics
 import subprocess
 import sys
 
-__all__ = ["PlanCost", "plan_costs", "format_table", "JOBS", "LEGEND"]
+from absl import flags
+
+from tfremat import errors
+
+__all__ = ["PlanCost", "plan_costs", "format_table", "define_flags", "JOBS",
+           "LEGEND"]
+
+
+def define_flags():
+  """`--plan_cost` and its `--rounds` (`cli.define_flags`)."""
+  flags.DEFINE_bool("plan_cost", False, "Seconds to plan the 8-block "
+                    "transformer LM at 50% and find its largest batch in "
+                    "256MiB, beside tracing and running 10 of its steps, "
+                    "each in a new process, with and without XLA.")
+  flags.DEFINE_integer("rounds", 2, "--plan_cost: rounds of new processes.")
 
 # A job's program: the model and batch, then the job timed alone.
 _PROGRAM = """
@@ -69,7 +83,7 @@ def _timed(job, jit, blocks, batch, length):
                         text=True, env=dict(os.environ,
                                             TF_CPP_MIN_LOG_LEVEL="2"))
   if done.returncode:
-    raise RuntimeError(f"--plan_cost's {job} job failed:\n"
+    raise errors.Error(f"--plan_cost's {job} job failed:\n"
                        f"{done.stderr[-3000:]}")
   return float(done.stdout.split()[-1])
 
