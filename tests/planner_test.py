@@ -553,7 +553,7 @@ def test_printout_explains_every_column_and_shows_what_each_layer_stores():
 
 @pytest.mark.parametrize("bad", [dict(reserve=-0.1), dict(reserve=1.5),
                                  dict(check_calls=0), dict(rounds=2.0),
-                                 dict(use_at_least=True), dict(variants=0)])
+                                 dict(use_at_least=True)])
 def test_settings_refuse_what_is_not_a_setting(bad):
   with pytest.raises(ValueError, match="Settings: "):
     planner.Settings(**bad)
@@ -564,9 +564,6 @@ def test_settings_are_a_printable_value_with_the_shipped_defaults():
   assert planner.DEFAULT_SETTINGS.reserve <= 0.10
   text = str(planner.Settings(reserve=0.1, check_calls=20))
   assert "margin 10% of a predicted peak" in text and "20 calls" in text
-  # More plans to choose between where each costs a read, not a compile.
-  assert (_SHIPPED.variants_for(False), _SHIPPED.variants_for(True)) == (5, 3)
-  assert planner.Settings(variants=2).variants_for(True) == 2
   with pytest.raises(AttributeError):
     planner.DEFAULT_SETTINGS.reserve = 0.5
 

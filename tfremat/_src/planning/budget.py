@@ -145,7 +145,7 @@ def plan_budget(chain, runner, batch, budget, *, policies=(), costs=None,
         floor_bytes=nbytes([u.trainable_weights for u in units]),
         nestable=[in_place.can_nest(nest_target(u)) for u in units])
     shape = tuple(tf.convert_to_tensor(chain.input_of(batch)).shape)
-    plan = with_variants(plan.replace(shape=shape), settings, runner.jit)
+    plan = with_variants(plan.replace(shape=shape), settings)
     plan = _variant_peaks(plan, runner, batch)
     plan = checked(plan, runner, batch, settings)
   if progress is not None:
@@ -205,14 +205,14 @@ def checked(plan, runner, batch, settings):
 _LADDER = (0.25, 0.5, 0.8, 1.25, 2.0, 4.0)
 
 
-def with_variants(plan, settings, jit=False):
+def with_variants(plan, settings):
   """`plan` with the segments it runs at other input shapes
   (`Plan.variants`): at each of `_LADDER` times the sample's size along
   each axis, the fastest plan the cost model predicts within the budget
-  there (with the margin), then the lowest plan; this plan's own; the
-  fastest first, at most `settings.variants_for(jit)` (`jit`: for a step
-  XLA compiles; the fastest, this plan's and the lowest kept). A nested or
-  ordered plan is its only variant."""
+  there (with the margin), then the lowest plan; this
+  plan's own; the fastest first, at most `settings.variants` (the fastest,
+  this plan's and the lowest kept). A nested or ordered plan is its only
+  variant."""
   if plan.budget.fraction == 1.0:
     return plan  # Keeping everything, at every shape.
   if plan.ordered or any(s.nested for s in plan.segments):
@@ -240,7 +240,7 @@ def with_variants(plan, settings, jit=False):
   ordered = sorted(found, key=lambda v: predict(plan.costs, list(v))[1])
   keep = {ordered[0], tuple(plan.segments), ordered[-1]}
   rest = [v for v in ordered if v not in keep]
-  room = max(0, settings.variants_for(jit) - len(keep))
+  room = max(0, settings.variants - len(keep))
   if rest and room:
     step = len(rest) / room
     keep |= {rest[int(i * step)] for i in range(min(room, len(rest)))}

@@ -52,9 +52,7 @@ class Settings:
     batch_probes: `largest_batch` predicts at most this many batches.
     variants: how many plans a planned chain chooses between by the input
       shape it runs at, the planned one among them (`Plan.variants`):
-      each is traced where a step is traced for any shape. None (the
-      default): 5 on TensorFlow's executor, 3 under XLA, where each is
-      compiled for its peak when the chain is planned.
+      each is traced where a step is traced for any shape.
   """
   reserve: float = 0.05
   check_calls: int = 3
@@ -62,7 +60,7 @@ class Settings:
   use_at_least: float = 0.8
   waiting_fraction: float = 0.2
   batch_probes: int = 6
-  variants: int = None
+  variants: int = 3
 
   def __post_init__(self):
     fractions = ("reserve", "use_at_least", "waiting_fraction")
@@ -72,15 +70,13 @@ class Settings:
            not isinstance(getattr(self, name), (int, float)) or
            not 0 <= getattr(self, name) < 1]
     bad += [f"{name}={getattr(self, name)!r}" for name in counts
-            if not (name == "variants" and self.variants is None) and (
-                isinstance(getattr(self, name), bool) or
-                not isinstance(getattr(self, name), int) or
-                getattr(self, name) < 1)]
+            if isinstance(getattr(self, name), bool) or
+            not isinstance(getattr(self, name), int) or
+            getattr(self, name) < 1]
     if bad:
       raise errors.InvalidArgumentError(
           f"Settings: {', '.join(bad)}: {', '.join(fractions)} are "
-          f"fractions in [0, 1), {', '.join(counts)} positive ints "
-          "(variants may be None).")
+          f"fractions in [0, 1), {', '.join(counts)} positive ints.")
 
   def __str__(self):
     return (f"margin {self.reserve:.0%} of a predicted peak on the "
@@ -88,14 +84,7 @@ class Settings:
             f"rounds, stop at {self.use_at_least:.0%} of the room, waiting "
             f"{self.waiting_fraction:.0%} of a rerun's forward time; "
             f"largest_batch: {self.batch_probes} predictions; "
-            f"{self.variants_for(False)} plans at most by input shape "
-            f"({self.variants_for(True)} under XLA)")
-
-  def variants_for(self, jit):
-    """`variants` for a step compiled by XLA (`jit`) or not."""
-    if self.variants is not None:
-      return self.variants
-    return 3 if jit else 5
+            f"{self.variants} plans at most by input shape")
 
 
 DEFAULT_SETTINGS = Settings()
