@@ -1,7 +1,8 @@
 """The bench's command line: its flags, and one mode per run, each handing
 the flags' values to the functions that measure (`methods`, `schemes`,
-`whole`, `max_batch`, `shapes`, `predict`, `plan_cost`) and printing their tables as
-soon as they are measured. `python -m tfremat.bench` runs `main`."""
+`whole`, `max_batch`, `shapes`, `predict`, `plan_cost`) and printing their
+tables as soon as they are measured. `python -m tfremat.bench` runs
+`main`."""
 
 from absl import app
 from absl import flags

@@ -28,6 +28,7 @@ def define_flags():
                     "each in a new process, with and without XLA.")
   flags.DEFINE_integer("rounds", 2, "--plan_cost: rounds of new processes.")
 
+
 # A job's program: the model and batch, then the job timed alone.
 _PROGRAM = """
 import time
